@@ -1,0 +1,187 @@
+"""Reads the caller's bytecode: is the value being returned discarded? Is this addition an accumulation?
+
+Design rules:
+- Built from `dis` for Python 3.10-3.13, never from hard-coded offsets or opcode numbers.
+- Every answer is cached per (code object, instruction offset), keyed by ``id(code)`` with the code object kept in
+  the entry: hashing a code object hashes its whole bytecode (hundreds of ns), an int pair does not, and holding the
+  code alive means its id cannot be reused for another one. A hot loop pays one dict lookup.
+- On 3.11+ ``f_lasti`` can point into the inline CACHE entries that follow a call: the "next" instruction is the
+  first real one after ``f_lasti``.
+- Source text is read only to word a message, once per call site.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import dis
+import linecache
+import sys
+from types import CodeType, FrameType
+from typing import Any
+
+__all__ = ["accumulates", "call_source", "is_discarded", "method_call", "source_line"]
+
+# Instructions that neither push nor pop: skipped when looking for the producer of a value.
+_NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "PRECALL", "NOT_TAKEN"}
+_LOADS = {"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST_CHECK",
+          "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"}
+_STORES = {"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"}
+
+
+class _CodeInfo:
+    """The instructions of one code object, with their offsets for bisecting."""
+
+    __slots__ = ("code", "instructions", "offsets")
+
+    def __init__(self, code: CodeType) -> None:
+        self.code = code
+        self.instructions = [i for i in dis.get_instructions(code) if i.opname != "CACHE"]
+        self.offsets = [i.offset for i in self.instructions]
+
+    def index_at(self, lasti: int) -> int:
+        """Index of the instruction that contains offset ``lasti``."""
+        return bisect.bisect_right(self.offsets, lasti) - 1
+
+
+_code_infos: dict[int, _CodeInfo] = {}
+_discarded: dict[tuple[int, int], tuple[CodeType, bool]] = {}
+_accumulates: dict[tuple[int, int], tuple[CodeType, bool]] = {}
+
+
+def _info(code: CodeType) -> _CodeInfo:
+    info = _code_infos.get(id(code))
+    if info is None or info.code is not code:
+        info = _code_infos[id(code)] = _CodeInfo(code)
+    return info
+
+
+def _next_instruction(code: CodeType, lasti: int) -> dis.Instruction | None:
+    info = _info(code)
+    i = bisect.bisect_right(info.offsets, lasti)
+    return info.instructions[i] if i < len(info.instructions) else None
+
+
+def is_discarded(frame: FrameType) -> bool:
+    """True when the value the frame's current call returns is thrown away (the next instruction is POP_TOP).
+
+    The REPL's echo of an expression statement is PRINT_EXPR / CALL_INTRINSIC_1, not POP_TOP: not a discard.
+    """
+    code = frame.f_code
+    key = (id(code), frame.f_lasti)
+    entry = _discarded.get(key)
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    nxt = _next_instruction(code, frame.f_lasti)
+    answer = nxt is not None and nxt.opname == "POP_TOP"
+    _discarded[key] = (code, answer)
+    return answer
+
+
+def _producer(instructions: list[dis.Instruction], index: int, depth: int) -> dis.Instruction | None:
+    """The instruction that pushed the stack item ``depth`` places below the top, just before ``index``.
+
+    Walks back over straight-line code only; anything it cannot follow (a jump target in between) gives None.
+    """
+    need = depth
+    for j in range(index - 1, max(index - 64, -1), -1):
+        ins = instructions[j]
+        if ins.opname in _NO_STACK:
+            continue
+        effect = dis.stack_effect(ins.opcode, ins.arg, jump=False) if ins.opcode >= dis.HAVE_ARGUMENT else \
+            dis.stack_effect(ins.opcode, jump=False)
+        if need == 0 or need - effect < 0:
+            return ins
+        need -= effect
+        if ins.is_jump_target:
+            return None
+    return None
+
+
+def _is_accumulation(code: CodeType, lasti: int) -> bool:
+    info = _info(code)
+    idx = info.index_at(lasti)
+    if idx < 0:
+        return False
+    op = info.instructions[idx]
+    if op.opname == "INPLACE_ADD" or (op.opname == "BINARY_OP" and op.argrepr == "+="):
+        return True
+    if not (op.opname == "BINARY_ADD" or (op.opname == "BINARY_OP" and op.argrepr == "+")):
+        return False
+    if idx + 1 >= len(info.instructions):
+        return False
+    store = info.instructions[idx + 1]
+    if store.opname not in _STORES:
+        return False
+    left = _producer(info.instructions, idx, 1)
+    if left is None or left.opname not in _LOADS:
+        return False
+    name = left.argval[0] if isinstance(left.argval, tuple) else left.argval
+    return bool(name == store.argval)
+
+
+def accumulates(frame: FrameType) -> bool:
+    """True when the frame is executing ``acc += value`` or ``acc = acc + value`` (same name stored back)."""
+    code = frame.f_code
+    key = (id(code), frame.f_lasti)
+    entry = _accumulates.get(key)
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    answer = _is_accumulation(code, frame.f_lasti)
+    _accumulates[key] = (code, answer)
+    return answer
+
+
+def source_line(frame: FrameType) -> str:
+    """The stripped source line the frame is executing, or '' when it cannot be read."""
+    return linecache.getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals).strip()
+
+
+def call_source(frame: FrameType) -> str | None:
+    """The source text of the expression the frame is evaluating at ``f_lasti`` (3.11+), else None."""
+    code = frame.f_code
+    if sys.version_info < (3, 11):
+        return None
+    positions = list(code.co_positions())
+    index = frame.f_lasti // 2
+    if index >= len(positions):
+        return None
+    line, end_line, col, end_col = positions[index]
+    if line is None or end_line is None or col is None or end_col is None:
+        return None
+    lines = [linecache.getline(code.co_filename, n, frame.f_globals) for n in range(line, end_line + 1)]
+    if not lines or not all(lines):
+        return None
+    # Column offsets are in UTF-8 bytes.
+    encoded = [ln.encode() for ln in lines]
+    if len(encoded) == 1:
+        return encoded[0][col:end_col].decode(errors="replace")
+    parts = [encoded[0][col:], *encoded[1:-1], encoded[-1][:end_col]]
+    return b"".join(parts).decode(errors="replace")
+
+
+def _simple_chain(node: ast.AST) -> bool:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+def method_call(frame: FrameType, method: str, nargs: int) -> tuple[str | None, str | None]:
+    """For a call ``<receiver>.<method>(...)`` at the frame's current instruction, return (receiver, call text).
+
+    The receiver is given only when it is a plain name or attribute chain (``x``, ``self.scale``); a call through
+    the class (``torch.Tensor.float(x)``, one more positional argument than ``nargs``) names its first argument.
+    Either is None when the source cannot be read.
+    """
+    text = call_source(frame)
+    if text is None:
+        text = source_line(frame)
+    try:
+        node: Any = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None, None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method):
+        return None, None
+    target = node.args[0] if len(node.args) == nargs + 1 else node.func.value
+    receiver = ast.unparse(target) if _simple_chain(target) else None
+    return receiver, " ".join(text.split())

@@ -1,0 +1,97 @@
+"""`install()` and `uninstall()`: which checks are in force, through the one registry.
+
+Design rules: idempotent (a second install adds no layer; a second uninstall does nothing); an install with other
+arguments switches checks on and off to match; the environment is read once, explicit arguments override it, and
+``SAFETORCH_DISABLE=1`` is the kill switch that no call overrides.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import sys
+import threading
+from collections.abc import Iterable
+from types import ModuleType, TracebackType
+
+from . import _config, _report
+from ._exceptions import SafetorchError
+from ._patch import registry
+
+__all__ = ["CHECKS", "install", "installed_checks", "uninstall"]
+
+#: Rule code -> module under safetorch.checks. A new check adds one line here and touches no other check.
+CHECKS: dict[str, str] = {
+    "ST001": "discarded_conversion",
+}
+
+_CORE = "core"
+_env_config: _config.Config | None = None
+_atexit_registered = False
+_lock = threading.RLock()
+
+
+def _environment() -> _config.Config:
+    global _env_config
+    if _env_config is None:
+        _env_config = _config.from_environ()
+    return _env_config
+
+
+def _check_module(code: str) -> ModuleType:
+    return importlib.import_module(f"safetorch.checks.{CHECKS[code]}")
+
+
+def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    """Show an uncaught SafetorchError with a traceback that ends on the user's line, then defer to the original."""
+    try:
+        if isinstance(exc, SafetorchError):
+            tb = _report.prune_traceback(tb)
+    except Exception:
+        pass
+    sys.__excepthook__(exc_type, exc, tb) if _original_excepthook is None else _original_excepthook(exc_type, exc, tb)
+
+
+_original_excepthook = None
+
+
+def install(strict: bool | None = None, ignore: Iterable[str] | str | None = None) -> None:
+    """Install every check not ignored. Explicit arguments override SAFETORCH_STRICT / SAFETORCH_IGNORE.
+
+    ``ignore`` takes rule codes or names (``["ST004", "empty-cache-loop"]`` or ``"ST004,ST007"``); an unknown one
+    raises ValueError naming the valid rules. Calling it again changes the configuration without wrapping twice.
+    With ``SAFETORCH_DISABLE=1`` in the environment it patches nothing.
+    """
+    global _atexit_registered, _original_excepthook
+    cfg = _environment().with_overrides(strict=strict, ignore=ignore)
+    with _lock:
+        _config.current = cfg
+        if cfg.disabled:
+            return
+        wanted = {code for code in CHECKS if code not in cfg.ignore}
+        present = registry.groups()
+        for code in present - wanted - {_CORE}:
+            registry.restore(code)
+        for code in sorted(wanted - present):
+            try:
+                _check_module(code).install(registry)
+            except Exception as exc:  # a torch without one of the targets must not stop the others
+                registry.restore(code)
+                _report.internal_error(code, exc)
+        if _CORE not in present:
+            _original_excepthook = sys.excepthook
+            registry.set(sys, "excepthook", _excepthook, _CORE)
+        if not _atexit_registered:
+            atexit.register(_report.exit_summary)
+            _atexit_registered = True
+
+
+def uninstall() -> None:
+    """Remove every patch: each touched attribute is again the very object it was before. Harmless when repeated."""
+    with _lock:
+        registry.restore()
+
+
+def installed_checks() -> list[str]:
+    """The rule codes whose checks are installed now."""
+    return sorted(g for g in registry.groups() if g != _CORE)

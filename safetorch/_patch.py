@@ -1,0 +1,176 @@
+"""The one registry every patch goes through.
+
+Design rules (from wrapt and dd-trace-py):
+- A patch records what stood in the owner's own ``__dict__`` (or that nothing did) and `restore` puts exactly that
+  back, by identity; an attribute that was only inherited (``Tensor.float`` lives on ``torch._C.TensorBase``, whose
+  type is immutable) is added to the owner and deleted again. Nothing is ever restored through ``__wrapped__``:
+  torch's own ``functools.wraps`` sets it too.
+- Patching twice is a no-op, never a second layer, even across a reloaded copy of this module (the marker is an
+  attribute of the wrapper type, not an ``isinstance`` check against this module's class).
+- The wrapper types answer pickle and copy by reference, as the original functions and method descriptors do: a
+  bare wrapt proxy refuses ``__reduce_ex__``. What they pickle to names torch only, so a pickle made with safetorch
+  installed loads where safetorch is not.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import wrapt
+
+__all__ = ["Registry", "is_patch", "registry"]
+
+_MISSING = object()
+Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+
+
+class _ModuleRef:
+    """Pickles as ``importlib.import_module(name)``; only ever used inside a reduce value."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (importlib.import_module, (self.name,))
+
+
+def _reference(owner: object, name: str) -> tuple[Any, ...]:
+    if isinstance(owner, types.ModuleType):
+        return (getattr, (_ModuleRef(owner.__name__), name))
+    return (getattr, (owner, name))
+
+
+class BoundPatch(wrapt.BoundFunctionWrapper):
+    """What attribute access on a patched method returns (``x.float``, ``torch.Tensor.float``)."""
+
+    __safetorch_patch__ = True
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        parent = self._self_parent
+        if self._self_instance is None:
+            return parent.__reduce_ex__(protocol)
+        return (getattr, (self._self_instance, parent._self_st_name))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__reduce_ex__(2)
+
+    def __copy__(self) -> BoundPatch:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> BoundPatch:
+        return self
+
+
+class Patch(wrapt.FunctionWrapper):
+    """The wrapper safetorch puts in place of a torch callable; pickles and copies as a reference to it."""
+
+    __bound_function_wrapper__ = BoundPatch
+    __safetorch_patch__ = True
+
+    def __init__(self, wrapped: Any, wrapper: Wrapper, owner: object, name: str) -> None:
+        super().__init__(wrapped, wrapper)
+        self._self_st_owner = owner
+        self._self_st_name = name
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return _reference(self._self_st_owner, self._self_st_name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__reduce_ex__(2)
+
+    def __copy__(self) -> Patch:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Patch:
+        return self
+
+
+def is_patch(obj: object) -> bool:
+    """True for a safetorch wrapper, from this copy of safetorch or any other."""
+    return getattr(type(obj), "__safetorch_patch__", False) is True
+
+
+def _namespace(owner: object) -> dict[str, Any]:
+    return owner.__dict__  # type: ignore[no-any-return]
+
+
+def _inherited(owner: object, name: str) -> Any:
+    """What ``owner.name`` resolves to without binding: the raw object in the first ``__dict__`` along the MRO."""
+    for klass in getattr(owner, "__mro__", (owner,)):
+        ns = _namespace(klass)
+        if name in ns:
+            return ns[name]
+    raise AttributeError(f"{owner!r} has no attribute {name!r}")
+
+
+@dataclass
+class _Record:
+    owner: object
+    name: str
+    had: bool
+    previous: object
+    installed: object
+    group: str
+
+
+class Registry:
+    """Records every attribute safetorch sets, by owner and name, and puts back exactly what was there."""
+
+    def __init__(self) -> None:
+        self._records: dict[tuple[int, str], _Record] = {}
+        self._lock = threading.RLock()
+
+    def wrap(self, owner: object, name: str, wrapper: Wrapper, group: str) -> Any:
+        """Wrap ``owner.name`` with ``wrapper(wrapped, instance, args, kwargs)``; return the patch in place."""
+        with self._lock:
+            record = self._records.get((id(owner), name))
+            if record is not None:
+                return record.installed
+            current = _namespace(owner).get(name, _MISSING)
+            if current is not _MISSING and is_patch(current):
+                return current
+            target = current if current is not _MISSING else _inherited(owner, name)
+            return self.set(owner, name, Patch(target, wrapper, owner, name), group)
+
+    def set(self, owner: object, name: str, value: Any, group: str) -> Any:
+        """Put ``value`` at ``owner.name`` (a plain replacement, for what is not a wrapped callable)."""
+        with self._lock:
+            key = (id(owner), name)
+            if key in self._records:
+                return self._records[key].installed
+            ns = _namespace(owner)
+            had = name in ns
+            self._records[key] = _Record(owner, name, had, ns.get(name), value, group)
+            setattr(owner, name, value)
+            return value
+
+    def restore(self, group: str | None = None) -> None:
+        """Undo the patches of ``group`` (all when None). Harmless when there is nothing to undo."""
+        with self._lock:
+            for key, rec in list(self._records.items()):
+                if group is not None and rec.group != group:
+                    continue
+                del self._records[key]
+                current = _namespace(rec.owner).get(rec.name, _MISSING)
+                if current is not rec.installed:
+                    continue  # someone replaced our patch since: theirs stays
+                if rec.had:
+                    setattr(rec.owner, rec.name, rec.previous)
+                else:
+                    delattr(rec.owner, rec.name)
+
+    def groups(self) -> set[str]:
+        return {rec.group for rec in self._records.values()}
+
+    def touched(self) -> list[tuple[object, str]]:
+        return [(rec.owner, rec.name) for rec in self._records.values()]
+
+
+registry = Registry()

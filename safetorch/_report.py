@@ -1,0 +1,191 @@
+"""The one reporter: every finding goes through `report`, every internal failure through `internal_error`.
+
+Design rules:
+- A finding is attributed to the user's line: the frame a check hands over, or the first frame above it that is
+  not torch, wrapt or safetorch. A finding whose line is inside torch itself is torch's, not the user's: dropped.
+- Warn once per call site (code, file, line); count every occurrence for the exit summary.
+- In strict mode raise `SafetorchError` instead. Python appends the frames a raise passes through to the
+  traceback; our own trailing frames are hidden from pytest (``__tracebackhide__``) and cut off by `prune_traceback`
+  in the excepthook, so the traceback of an uncaught finding ends on the user's line.
+- The message is built lazily, once per call site: reading source to word a message costs nothing on the hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import CodeType, FrameType, TracebackType
+from typing import Any
+
+from . import _config
+from ._exceptions import SafetorchError, SafetorchInternalWarning
+from ._rules import RULES
+
+__all__ = ["Site", "findings", "internal_error", "is_internal", "report", "reset", "user_frame"]
+
+
+def _package_dir(module: str) -> str:
+    mod = sys.modules.get(module) or __import__(module)
+    path = getattr(mod, "__file__", None)
+    return os.path.dirname(os.path.abspath(path)) + os.sep if path else "\0"
+
+
+_SAFETORCH_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_internal_dirs: tuple[str, ...] | None = None
+_internal_codes: dict[int, tuple[CodeType, bool]] = {}
+
+
+def _dirs() -> tuple[str, ...]:
+    global _internal_dirs
+    if _internal_dirs is None:
+        import torch  # noqa: F401  (make sure both are importable before reading their paths)
+        import wrapt  # noqa: F401
+
+        _internal_dirs = (_SAFETORCH_DIR, _package_dir("torch"), _package_dir("wrapt"))
+    return _internal_dirs
+
+
+def is_internal(code: CodeType) -> bool:
+    """True for code of torch, wrapt or safetorch (cached per code object)."""
+    entry = _internal_codes.get(id(code))
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    filename = code.co_filename
+    answer = filename.startswith(_dirs()) or (filename.startswith("<") and "torch" in filename)
+    _internal_codes[id(code)] = (code, answer)
+    return answer
+
+
+def user_frame(frame: FrameType | None) -> FrameType | None:
+    """The first frame, from ``frame`` outwards, that is not torch, wrapt or safetorch."""
+    while frame is not None and is_internal(frame.f_code):
+        frame = frame.f_back
+    return frame
+
+
+@dataclass
+class Site:
+    code: str
+    filename: str
+    lineno: int
+    message: str
+    count: int = 1
+    rank: int | None = None
+
+
+_sites: dict[tuple[str, str, int], Site] = {}
+_internal_reported: set[str] = set()
+_lock = threading.Lock()
+
+
+def report(code: str, frame: FrameType, message: str | Callable[[], str]) -> None:
+    """Report finding ``code`` at ``frame``'s current line: warn once per call site, or raise in strict mode."""
+    __tracebackhide__ = True  # noqa: F841  (pytest hides this frame)
+    filename = frame.f_code.co_filename
+    lineno = frame.f_lineno
+    key = (code, filename, lineno)
+    site = _sites.get(key)
+    strict = _config.current.strict
+    if site is not None and not strict:
+        site.count += 1
+        return
+    text = message() if callable(message) else message
+    if strict:
+        raise SafetorchError(text, code=code, filename=filename, lineno=lineno)
+    with _lock:
+        if key in _sites:
+            _sites[key].count += 1
+            return
+        _sites[key] = Site(code, filename, lineno, text)
+    globs = frame.f_globals
+    warnings.warn_explicit(
+        text,
+        RULES[code].category,
+        filename,
+        lineno,
+        module=globs.get("__name__"),
+        registry=globs.setdefault("__warningregistry__", {}),
+        module_globals=globs,
+    )
+
+
+def internal_error(code: str, exc: BaseException) -> None:
+    """A check failed: say so once per check and carry on; the user's program must not notice."""
+    if code in _internal_reported:
+        return
+    _internal_reported.add(code)
+    try:
+        warnings.warn(
+            f"safetorch: check {code} failed internally ({type(exc).__name__}: {exc}) and is skipped from now on at "
+            f"that place; your program is unaffected. Please report this with your torch version.",
+            SafetorchInternalWarning,
+            stacklevel=3,
+        )
+    except Exception:  # a warnings filter set to "error" must not break the host either
+        pass
+
+
+def findings() -> list[Site]:
+    """Every call site reported so far, in order of first occurrence."""
+    return list(_sites.values())
+
+
+def reset() -> None:
+    """Forget every reported call site (tests, and programs that want to see findings again)."""
+    with _lock:
+        _sites.clear()
+        _internal_reported.clear()
+
+
+_OWN_DIRS = (_SAFETORCH_DIR, _package_dir("wrapt"))
+
+
+def prune_traceback(tb: TracebackType | None) -> TracebackType | None:
+    """Cut the trailing safetorch/wrapt frames off a traceback, so that it ends on the user's line."""
+    last_user = None
+    node = tb
+    while node is not None:
+        if not node.tb_frame.f_code.co_filename.startswith(_OWN_DIRS):
+            last_user = node
+        node = node.tb_next
+    if last_user is not None:
+        last_user.tb_next = None
+    return tb
+
+
+def format_summary() -> str:
+    sites = findings()
+    lines = [f"safetorch: {len(sites)} finding(s) at {sum(s.count for s in sites)} occurrence(s)"]
+    for s in sites:
+        text = s.message.splitlines()[0].removeprefix(s.code).strip()
+        lines.append(f"  {s.code} {s.filename}:{s.lineno} (x{s.count}): {text}")
+    return "\n".join(lines)
+
+
+def write_json(path: str) -> None:
+    data: list[dict[str, Any]] = [
+        {"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message}
+        for s in findings()
+    ]
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+
+
+def exit_summary() -> None:
+    """Print the summary on stderr at exit (not in an interactive session); write the JSON when asked."""
+    try:
+        cfg = _config.current
+        if cfg.report is False or not _sites:
+            return
+        if isinstance(cfg.report, str):
+            write_json(cfg.report)
+        if hasattr(sys, "ps1") or sys.flags.interactive:
+            return
+        print(format_summary(), file=sys.stderr)
+    except Exception:
+        pass

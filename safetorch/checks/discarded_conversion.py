@@ -1,0 +1,67 @@
+"""ST001: the result of an out-of-place tensor conversion is discarded (``tensor.cuda()`` as a statement).
+
+``Module.cuda()`` moves a module in place; ``Tensor.cuda()`` returns a copy and leaves the tensor where it was.
+The wrapper calls torch first, unguarded, then asks the call-site reader whether the caller throws the result
+away (the next instruction is POP_TOP): one cached dict lookup per call. Only ``torch.Tensor`` is patched, so
+``nn.Module`` methods are never touched; tensor subclasses (``nn.Parameter``) inherit the check.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+
+from .._callsite import is_discarded, method_call
+from .._exceptions import SafetorchError
+from .._patch import Registry
+from .._report import internal_error, is_internal, report
+
+CODE = "ST001"
+
+#: Out-of-place methods whose only effect is their result. Names missing from a torch build are skipped.
+METHODS = (
+    "cuda", "cpu", "to", "float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char",
+    "type", "detach", "contiguous", "pin_memory", "clone",
+    # the same family: pure conversions that return a new tensor
+    "type_as", "cfloat", "cdouble", "chalf", "xpu", "mps", "to_dense", "to_sparse",
+)
+
+_getframe = sys._getframe
+_is_compiling = torch.compiler.is_compiling
+
+
+def _message(frame: FrameType, method: str, nargs: int) -> str:
+    what = "returns a new tensor" if method == "detach" else "returns a copy"
+    receiver, call = method_call(frame, method, nargs)
+    if receiver is not None:
+        return f"{CODE} {call} {what} and its result is discarded; {receiver} is unchanged. Write: {receiver} = {call}"
+    if call is not None:
+        return f"{CODE} {call} {what} and its result is discarded; the tensor is unchanged. Write: y = {call}"
+    return (f"{CODE} tensor.{method}() {what} and its result is discarded; the tensor is unchanged. "
+            f"Assign the result: x = x.{method}(...)")
+
+
+def _wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    __tracebackhide__ = True  # noqa: F841
+    result = wrapped(*args, **kwargs)
+    if _is_compiling():
+        return result
+    try:
+        frame = _getframe(1)
+        if is_discarded(frame) and isinstance(result, torch.Tensor) and not is_internal(frame.f_code):
+            method = wrapped.__name__
+            report(CODE, frame, lambda: _message(frame, method, len(args)))
+    except SafetorchError:
+        raise
+    except Exception as exc:
+        internal_error(CODE, exc)
+    return result
+
+
+def install(registry: Registry) -> None:
+    for name in METHODS:
+        if hasattr(torch.Tensor, name):
+            registry.wrap(torch.Tensor, name, _wrapper, CODE)

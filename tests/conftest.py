@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+
+import pytest
+
+import safetorch
+from safetorch import _report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_safetorch() -> Iterator[None]:
+    """Every test starts with all checks installed, not strict, and no call site reported yet."""
+    safetorch.install(strict=False, ignore=())
+    _report.reset()
+    yield
+    safetorch.install(strict=False, ignore=())
+    _report.reset()
+
+
+@contextlib.contextmanager
+def findings() -> Iterator[list[warnings.WarningMessage]]:
+    """Record every SafetorchWarning (and internal warning) raised inside the block."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got: list[warnings.WarningMessage] = []
+        yield got
+    got.extend(w for w in caught if issubclass(w.category, (safetorch.SafetorchWarning,
+                                                             safetorch.SafetorchInternalWarning)))
+
+
+def lineno() -> int:
+    """The line number of the caller: write `statement; line = lineno()` to know the statement's line."""
+    return sys._getframe(1).f_lineno
+
+
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=ROOT)

@@ -1,0 +1,271 @@
+"""ST001: a discarded out-of-place conversion warns at the user's line; every use of the result stays silent."""
+
+from __future__ import annotations
+
+import copy
+import io
+import multiprocessing
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import safetorch
+from safetorch import DiscardedConversionWarning, SafetorchError
+from safetorch.checks.discarded_conversion import METHODS
+
+from .conftest import findings, lineno
+
+# (method, args) for every wrapped method that runs on a CPU-only build.
+CPU_CALLS = [
+    ("cpu", ()), ("to", (torch.float64,)), ("to", ("meta",)), ("float", ()), ("double", ()), ("half", ()),
+    ("bfloat16", ()), ("long", ()), ("int", ()), ("short", ()), ("bool", ()), ("byte", ()), ("char", ()),
+    ("type", (torch.float64,)), ("detach", ()), ("contiguous", ()), ("clone", ()),
+    ("type_as", (torch.zeros(1, dtype=torch.float64),)), ("cfloat", ()), ("cdouble", ()), ("chalf", ()),
+    ("to_dense", ()), ("to_sparse", ()),
+]
+
+
+def test_every_cpu_method_is_covered_here() -> None:
+    # cuda/xpu/mps/pin_memory need a device; they are covered by test_cuda_discarded when one is there.
+    present = {m for m in METHODS if hasattr(torch.Tensor, m)}
+    assert present - {m for m, _ in CPU_CALLS} <= {"cuda", "xpu", "mps", "pin_memory"}
+
+
+@pytest.mark.parametrize(("method", "args"), CPU_CALLS, ids=[f"{m}{i}" for i, (m, _) in enumerate(CPU_CALLS)])
+def test_discarded_result_warns_at_this_line(method: str, args: tuple[object, ...]) -> None:
+    tensor = torch.ones(2, 3)
+    with findings() as got:
+        getattr(tensor, method)(*args); line = lineno()  # noqa: E702
+    assert len(got) == 1
+    w = got[0]
+    assert w.category is DiscardedConversionWarning
+    assert w.filename == __file__ and w.lineno == line
+    assert str(w.message).startswith("ST001 ")
+
+
+def test_message_names_the_variable_and_the_fix() -> None:
+    tensor = torch.zeros(2, 3, 10, 10)
+    with findings() as got:
+        tensor.float()
+    assert str(got[0].message) == (
+        "ST001 tensor.float() returns a copy and its result is discarded; tensor is unchanged. "
+        "Write: tensor = tensor.float()"
+    )
+
+
+def test_message_names_an_attribute_chain_and_keeps_arguments() -> None:
+    class Holder:
+        scale = torch.ones(2)
+
+    self = Holder()
+    with findings() as got:
+        self.scale.to(torch.float64, copy=True)
+    assert str(got[0].message).endswith("self.scale is unchanged. Write: self.scale = self.scale.to(torch.float64, "
+                                        "copy=True)")
+
+
+def test_message_for_a_call_through_the_class() -> None:
+    x = torch.ones(2)
+    with findings() as got:
+        torch.Tensor.double(x)
+    assert "Write: x = torch.Tensor.double(x)" in str(got[0].message)
+
+
+def test_message_for_a_receiver_that_is_not_a_name() -> None:
+    def make() -> torch.Tensor:
+        return torch.ones(2)
+
+    with findings() as got:
+        make().double()
+    assert str(got[0].message).endswith("the tensor is unchanged. Write: y = make().double()")
+
+
+def test_parameter_is_checked() -> None:
+    p = torch.nn.Parameter(torch.ones(2))
+    with findings() as got:
+        p.double(); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(DiscardedConversionWarning, line)]
+
+
+def _identity(v: torch.Tensor) -> torch.Tensor:
+    return v
+
+
+def test_every_used_form_is_silent() -> None:
+    x = torch.ones(2, 3)
+    with findings() as got:
+        a = x.float()
+        b, c = x.double(), x.long()
+        d = x.float().sum()
+        x.float().add_(1)  # chained: the discarded value is add_'s, not float's
+        e = _identity(x.double())
+        f = [t.float() for t in (x, x)]
+        g = {k: x.double() for k in "ab"}
+        h = list(t.half() for t in (x,))
+        i = x.float() if a is not None else x.double()
+        j = (lambda t: t.to(torch.float64))(x)
+        k = (x.clone(),)
+        print(x.detach().shape)
+        assert x.contiguous() is not None
+        _ = x.cpu()
+
+        def returns() -> torch.Tensor:
+            return x.bfloat16()
+
+        lo = returns()
+    assert got == []
+    assert all(v is not None for v in (a, b, c, d, e, f, g, h, i, j, k, lo))
+
+
+def test_module_methods_are_silent() -> None:
+    model = torch.nn.Linear(3, 2)
+    with findings() as got:
+        model.double()
+        model.float()
+        model.to(torch.float64)
+        model.half()
+        model.cpu()
+    assert got == []
+    assert model.weight.dtype == torch.float16
+
+
+def test_strict_mode_raises_on_this_line() -> None:
+    safetorch.install(strict=True)
+    x = torch.ones(2)
+    line = lineno() + 2
+    with pytest.raises(SafetorchError) as info:
+        x.double()
+    assert info.value.code == "ST001"
+    assert (info.value.filename, info.value.lineno) == (__file__, line)
+    assert str(info.value).startswith("ST001 x.double() returns a copy")
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_once_per_call_site_in_a_loop() -> None:
+    x = torch.ones(2)
+    with findings() as got:
+        for _ in range(5):
+            x.float()
+        x.float()  # another call site
+    assert len(got) == 2
+    from safetorch._report import findings as sites
+
+    assert [s.count for s in sites()] == [5, 1]
+
+
+def test_results_are_unchanged() -> None:
+    x = torch.randn(4, 5)
+    safetorch.uninstall()
+    expected = [x.double(), x.to(torch.float16), x.type(torch.int32), x.detach(), x.clone()]
+    safetorch.install()
+    got = [x.double(), x.to(torch.float16), x.type(torch.int32), x.detach(), x.clone()]
+    for a, b in zip(expected, got, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert x.type() == "torch.FloatTensor"  # a string, not a tensor: never a finding
+
+
+def test_torch_errors_pass_through_unchanged() -> None:
+    x = torch.ones(2)
+    with pytest.raises(TypeError) as ours:
+        x.to(object())
+    safetorch.uninstall()
+    with pytest.raises(TypeError) as theirs:
+        x.to(object())
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_internal_failure_is_swallowed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from safetorch.checks import discarded_conversion
+
+    def boom(frame: object) -> bool:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(discarded_conversion, "is_discarded", boom)
+    x = torch.ones(2)
+    with findings() as got:
+        y = x.double()
+        x.float()
+        z = x.double() * 2
+    assert [w.category for w in got] == [safetorch.SafetorchInternalWarning]
+    assert "ST001" in str(got[0].message)
+    assert torch.equal(z, y * 2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_discarded() -> None:
+    tensor = torch.zeros(2, 3)
+    with findings() as got:
+        tensor.cuda(); line = lineno()  # noqa: E702
+    assert str(got[0].message) == (
+        "ST001 tensor.cuda() returns a copy and its result is discarded; tensor is unchanged. "
+        "Write: tensor = tensor.cuda()"
+    )
+    assert got[0].lineno == line
+    assert tensor.device.type == "cpu"
+
+
+# --- serialisation -------------------------------------------------------------------------------------------
+
+
+class Holder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.convert = torch.Tensor.double
+        self.bound = torch.ones(2).float
+        self.loss_fn = F.mse_loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.convert(self.lin(x))
+
+
+def test_patched_method_pickles_by_reference() -> None:
+    data = pickle.dumps(torch.Tensor.float)
+    assert b"safetorch" not in data and b"wrapt" not in data
+    loaded = pickle.loads(data)
+    assert loaded(torch.ones(1, dtype=torch.int64)).dtype == torch.float32
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert pickle.loads(pickle.dumps(torch.ones(2).double, proto))().dtype == torch.float64
+
+
+def test_model_holding_patched_callables_copies_and_saves() -> None:
+    model = Holder()
+    clone = copy.deepcopy(model)
+    assert clone.convert is model.convert or clone.convert(torch.ones(1)).dtype == torch.float64
+    x = torch.ones(1, 2)
+    assert torch.equal(clone(x), model(x))
+    again = pickle.loads(pickle.dumps(model))
+    assert torch.equal(again(x), model(x))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(loaded(x), model(x))
+
+
+def _convert_in_worker(fn: object) -> str:
+    return str(fn(torch.ones(2, dtype=torch.int64)).dtype)  # type: ignore[operator]
+
+
+def test_patched_method_crosses_into_a_spawned_worker() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_convert_in_worker, (torch.Tensor.double,)) == "torch.float64"
+
+
+def test_torch_compile_sees_no_graph_break() -> None:
+    import torch._dynamo
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x.double().float().contiguous().clone().detach()
+        return y.to(torch.float64).sum() + x.type(torch.float32).half().float().sum()
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(fn)(torch.randn(8))
+    assert explanation.graph_break_count == 0
+    assert explanation.graph_count == 1
+    compiled = torch.compile(fn, fullgraph=True, backend="eager")
+    x = torch.randn(8)
+    assert torch.equal(compiled(x), fn(x))
