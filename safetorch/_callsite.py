@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["accumulates", "call_source", "is_discarded", "method_call", "source_line"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
-_NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "PRECALL", "NOT_TAKEN"}
+_NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
 _LOADS = {"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST_CHECK",
           "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"}
 _STORES = {"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"}
@@ -68,13 +68,16 @@ def is_discarded(frame: FrameType) -> bool:
     The REPL's echo of an expression statement is PRINT_EXPR / CALL_INTRINSIC_1, not POP_TOP: not a discard.
     """
     code = frame.f_code
-    key = (id(code), frame.f_lasti)
-    entry = _discarded.get(key)
+    entry = _discarded.get((id(code), frame.f_lasti))
     if entry is not None and entry[0] is code:
         return entry[1]
-    nxt = _next_instruction(code, frame.f_lasti)
+    return _discarded_slow(code, frame.f_lasti)
+
+
+def _discarded_slow(code: CodeType, lasti: int) -> bool:
+    nxt = _next_instruction(code, lasti)
     answer = nxt is not None and nxt.opname == "POP_TOP"
-    _discarded[key] = (code, answer)
+    _discarded[(id(code), lasti)] = (code, answer)
     return answer
 
 

@@ -177,12 +177,12 @@ def test_torch_errors_pass_through_unchanged() -> None:
 
 
 def test_internal_failure_is_swallowed_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from safetorch.checks import discarded_conversion
+    from safetorch import _callsite
 
-    def boom(frame: object) -> bool:
+    def boom(*args: object) -> bool:
         raise KeyError("boom")
 
-    monkeypatch.setattr(discarded_conversion, "is_discarded", boom)
+    monkeypatch.setattr(_callsite, "_discarded_slow", boom)
     x = torch.ones(2)
     with findings() as got:
         y = x.double()

@@ -1,0 +1,1 @@
+"""safetorch's benchmarks: run ``python -m bench`` from the repository root."""

@@ -1,0 +1,157 @@
+"""The patch registry: uninstall restores every touched attribute by identity; no order of calls double-wraps."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+import safetorch
+from safetorch._patch import Patch, Registry, is_patch, registry
+
+from .conftest import run_python
+
+
+def _touched_values() -> dict[tuple[int, str], object]:
+    return {(id(owner), name): owner.__dict__.get(name) for owner, name in registry.touched()}
+
+
+def test_patches_are_in_the_owners_dict_and_wrap_the_original() -> None:
+    patched = torch.Tensor.__dict__["float"]
+    assert is_patch(patched)
+    assert patched.__wrapped__ is torch._C.TensorBase.__dict__["float"]
+    assert "float" not in torch._C.TensorBase.__dict__ or not is_patch(torch._C.TensorBase.__dict__["float"])
+
+
+def test_uninstall_restores_identity_and_deletes_what_was_added() -> None:
+    detach_before = torch._C.TensorBase.__dict__["detach"]
+    owners = [owner for owner, _ in registry.touched()]
+    assert owners
+    safetorch.uninstall()
+    assert "float" not in torch.Tensor.__dict__  # it lives on TensorBase: added by install, deleted by uninstall
+    assert torch.Tensor.__dict__["detach"] is detach_before  # it was in Tensor's own dict: put back, same object
+    assert torch.Tensor.float is torch._C.TensorBase.float
+    assert registry.touched() == []
+    assert not any(is_patch(v) for owner in owners for v in vars(owner).values())
+
+
+@pytest.mark.parametrize("steps", list(itertools.product(["install", "uninstall"], repeat=4)))
+def test_every_order_of_install_and_uninstall(steps: tuple[str, ...]) -> None:
+    safetorch.uninstall()
+    original = dict(torch.Tensor.__dict__)
+    for step in steps:
+        getattr(safetorch, step)()
+        if step == "install":
+            patches = [p for p in _touched_values().values() if is_patch(p)]
+            assert patches and all(not is_patch(p.__wrapped__) for p in patches)  # never a second layer
+        else:
+            assert registry.touched() == []
+    safetorch.uninstall()
+    after = dict(torch.Tensor.__dict__)
+    assert after.keys() == original.keys() and all(after[k] is original[k] for k in original)
+
+
+def test_install_with_ignore_switches_checks_on_and_off() -> None:
+    assert "ST001" in safetorch.installed_checks()
+    safetorch.install(ignore=["discarded-conversion"])
+    assert "ST001" not in safetorch.installed_checks()
+    assert "float" not in torch.Tensor.__dict__
+    safetorch.install(ignore="")
+    assert "ST001" in safetorch.installed_checks()
+
+
+def test_a_replacement_made_after_us_is_left_alone() -> None:
+    class Owner:
+        def method(self) -> int:
+            return 1
+
+    reg = Registry()
+    reg.wrap(Owner, "method", lambda w, i, a, k: w(*a, **k) + 1, "test")
+    assert Owner().method() == 2
+
+    def theirs(self: Owner) -> int:
+        return 3
+
+    Owner.method = theirs  # type: ignore[method-assign]
+    reg.restore()
+    assert Owner.__dict__["method"] is theirs
+
+
+def test_wrapping_an_existing_patch_adds_no_layer() -> None:
+    class Owner:
+        def method(self) -> int:
+            return 1
+
+    first, second = Registry(), Registry()  # e.g. two copies of the module after a reload
+    p1 = first.wrap(Owner, "method", lambda w, i, a, k: w(*a, **k) + 1, "a")
+    p2 = second.wrap(Owner, "method", lambda w, i, a, k: w(*a, **k) + 10, "b")
+    assert p1 is p2 and isinstance(p1, Patch)
+    assert Owner().method() == 2
+
+
+SNAPSHOT = r"""
+import json, sys, torch, torch.nn, torch.nn.functional, torch.autograd, torch.cuda, torch.optim
+namespaces = {"Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase, "F": torch.nn.functional,
+              "Module": torch.nn.Module, "torch": torch, "autograd": torch.autograd, "cuda": torch.cuda,
+              "Variable": torch.autograd.Variable, "optim": torch.optim.Optimizer, "sys": sys}
+import torch.nn.modules.loss as L
+for n, c in vars(L).items():
+    if isinstance(c, type):
+        namespaces["loss." + n] = c
+before = {k: dict(vars(v)) for k, v in namespaces.items()}
+"""
+
+
+def test_uninstall_restores_every_touched_namespace_exactly_in_a_fresh_process() -> None:
+    code = SNAPSHOT + r"""
+import safetorch
+from safetorch._patch import registry
+touched = {id(o) for o, _ in registry.touched()}
+known = {id(v) for v in namespaces.values()}
+assert touched <= known, "a namespace was touched that this test does not snapshot"
+assert touched, "nothing was patched"
+for _ in range(2):
+    safetorch.install(); safetorch.install(); safetorch.uninstall(); safetorch.uninstall()
+bad = []
+for k, v in namespaces.items():
+    after = dict(vars(v))
+    if after.keys() != before[k].keys():
+        bad.append((k, sorted(set(after) ^ set(before[k]))))
+    bad += [(k, n) for n in before[k] if n in after and after[n] is not before[k][n]]
+print(json.dumps({"bad": [str(b) for b in bad], "touched": len(touched)}))
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bad"] == []
+
+
+def test_disable_patches_nothing_in_a_fresh_process() -> None:
+    code = SNAPSHOT + r"""
+import safetorch
+safetorch.install()  # the kill switch wins over an explicit call too
+bad = [k for k, v in namespaces.items() if dict(vars(v)) != before[k]
+       or any(vars(v)[n] is not before[k][n] for n in before[k])]
+from safetorch._patch import registry
+print(json.dumps({"bad": bad, "touched": len(registry.touched()), "checks": safetorch.installed_checks()}))
+"""
+    proc = run_python(code, env={"SAFETORCH_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"bad": [], "touched": 0, "checks": []}
+
+
+def test_import_then_install_twice_in_a_fresh_process_wraps_once() -> None:
+    code = r"""
+import torch, safetorch, importlib
+safetorch.install(); safetorch.install(strict=False)
+import safetorch._patch as p
+importlib.reload(p)  # a second copy of the registry must not add a layer either
+p.registry.wrap(torch.Tensor, "float", lambda w, i, a, k: w(*a, **k), "again")
+f = torch.Tensor.__dict__["float"]
+print(type(f.__wrapped__).__name__)
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "method_descriptor"

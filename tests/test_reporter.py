@@ -1,0 +1,90 @@
+"""The reporter as a user sees it: the line, the traceback in strict mode, -W filters, the exit summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+
+from .conftest import run_python
+
+PROGRAM = textwrap.dedent("""\
+    import torch
+    import safetorch
+    x = torch.ones(2)
+    for _ in range(3):
+        x.double()
+    y = x.float()
+    print("done", y.dtype)
+""")
+
+
+def test_strict_traceback_ends_on_the_users_line(tmp_path: os.PathLike[str]) -> None:
+    script = os.path.join(tmp_path, "prog.py")
+    with open(script, "w") as fh:
+        fh.write(PROGRAM)
+    proc = run_python(f"import runpy; runpy.run_path({script!r}, run_name='__main__')",
+                      env={"SAFETORCH_STRICT": "1"})
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("safetorch._exceptions.SafetorchError: ST001 x.double() returns a copy")
+    frames = [ln for ln in lines if ln.startswith('  File "')]
+    assert frames[-1] == f'  File "{script}", line 5, in <module>'
+    assert "done" not in proc.stdout
+
+
+def test_warning_filters_by_code_with_W(tmp_path: os.PathLike[str]) -> None:
+    script = os.path.join(tmp_path, "prog.py")
+    with open(script, "w") as fh:
+        fh.write(PROGRAM)
+    shown = run_python(f"import runpy; runpy.run_path({script!r}, run_name='__main__')")
+    assert f"{script}:5: DiscardedConversionWarning: ST001 x.double()" in shown.stderr
+    assert shown.stderr.count("DiscardedConversionWarning") == 1
+    quiet = run_python(f"import warnings; warnings.filterwarnings('ignore', '^ST001'); import runpy; "
+                       f"runpy.run_path({script!r}, run_name='__main__')", env={"SAFETORCH_REPORT": "0"})
+    assert "Warning" not in quiet.stderr and "done torch.float32" in quiet.stdout
+
+
+def test_exit_summary_and_json(tmp_path: os.PathLike[str]) -> None:
+    script = os.path.join(tmp_path, "prog.py")
+    report = os.path.join(tmp_path, "report.json")
+    with open(script, "w") as fh:
+        fh.write(PROGRAM)
+    proc = run_python(f"import runpy; runpy.run_path({script!r}, run_name='__main__')",
+                      env={"SAFETORCH_REPORT": report})
+    assert proc.returncode == 0
+    assert f"  ST001 {script}:5 (x3): x.double() returns a copy" in proc.stderr
+    with open(report) as fh:
+        data = json.load(fh)
+    assert data == [{"code": "ST001", "file": script, "line": 5, "count": 3, "message": data[0]["message"]}]
+    assert data[0]["message"].startswith("ST001 x.double()")
+    silent = run_python(f"import runpy; runpy.run_path({script!r}, run_name='__main__')",
+                        env={"SAFETORCH_REPORT": "0"})
+    assert "safetorch:" not in silent.stderr
+
+
+def test_internal_failure_leaves_the_programs_output_unchanged(tmp_path: os.PathLike[str]) -> None:
+    train = textwrap.dedent("""\
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(16, 4).double().float(), torch.randn(16, 1)
+        for step in range(5):
+            loss = torch.nn.functional.mse_loss(model(x.float().contiguous()), y.detach())
+            opt.zero_grad(); loss.backward(); opt.step()
+            print(step, repr(loss.item()))
+    """)
+    script = os.path.join(tmp_path, "train.py")
+    with open(script, "w") as fh:
+        fh.write(train)
+    plain = run_python(f"import runpy; runpy.run_path({script!r})")
+    broken = run_python(
+        "import safetorch, safetorch._callsite as c\n"
+        "def boom(*a, **k): raise RuntimeError('injected')\n"
+        "c._discarded_slow = boom\n"
+        f"import runpy; runpy.run_path({script!r})")
+    assert plain.returncode == broken.returncode == 0, broken.stderr
+    assert broken.stdout == plain.stdout and plain.stdout.count("\n") == 5
+    assert broken.stderr.count("SafetorchInternalWarning") == 1
+    assert "check ST001 failed internally (RuntimeError: injected)" in broken.stderr
