@@ -23,6 +23,7 @@ __all__ = ["CHECKS", "install", "installed_checks", "uninstall"]
 #: Rule code -> module under safetorch.checks. A new check adds one line here and touches no other check.
 CHECKS: dict[str, str] = {
     "ST001": "discarded_conversion",
+    "ST002": "legacy_reduction",
 }
 
 _CORE = "core"

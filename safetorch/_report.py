@@ -142,15 +142,12 @@ def reset() -> None:
         _internal_reported.clear()
 
 
-_OWN_DIRS = (_SAFETORCH_DIR, _package_dir("wrapt"))
-
-
 def prune_traceback(tb: TracebackType | None) -> TracebackType | None:
-    """Cut the trailing safetorch/wrapt frames off a traceback, so that it ends on the user's line."""
+    """Cut the trailing torch/wrapt/safetorch frames off a traceback, so that it ends on the user's line."""
     last_user = None
     node = tb
     while node is not None:
-        if not node.tb_frame.f_code.co_filename.startswith(_OWN_DIRS):
+        if not is_internal(node.tb_frame.f_code):
             last_user = node
         node = node.tb_next
     if last_user is not None:

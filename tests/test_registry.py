@@ -95,7 +95,8 @@ SNAPSHOT = r"""
 import json, sys, torch, torch.nn, torch.nn.functional, torch.autograd, torch.cuda, torch.optim
 namespaces = {"Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase, "F": torch.nn.functional,
               "Module": torch.nn.Module, "torch": torch, "autograd": torch.autograd, "cuda": torch.cuda,
-              "Variable": torch.autograd.Variable, "optim": torch.optim.Optimizer, "sys": sys}
+              "Variable": torch.autograd.Variable, "optim": torch.optim.Optimizer, "sys": sys,
+              "_reduction": torch.nn._reduction}
 import torch.nn.modules.loss as L
 for n, c in vars(L).items():
     if isinstance(c, type):
