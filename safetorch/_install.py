@@ -24,6 +24,7 @@ __all__ = ["CHECKS", "install", "installed_checks", "uninstall"]
 CHECKS: dict[str, str] = {
     "ST001": "discarded_conversion",
     "ST002": "legacy_reduction",
+    "ST003": "eval_mode_grad",
 }
 
 _CORE = "core"
@@ -41,6 +42,14 @@ def _environment() -> _config.Config:
 
 def _check_module(code: str) -> ModuleType:
     return importlib.import_module(f"safetorch.checks.{CHECKS[code]}")
+
+
+def _teardown(code: str) -> None:
+    """Restore a check's patches, and let it clean up what it attached to objects (ST003's module hooks)."""
+    registry.restore(code)
+    cleanup = getattr(_check_module(code), "uninstall", None)
+    if cleanup is not None:
+        cleanup()
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
@@ -72,12 +81,12 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
         wanted = {code for code in CHECKS if code not in cfg.ignore}
         present = registry.groups()
         for code in present - wanted - {_CORE}:
-            registry.restore(code)
+            _teardown(code)
         for code in sorted(wanted - present):
             try:
                 _check_module(code).install(registry)
             except Exception as exc:  # a torch without one of the targets must not stop the others
-                registry.restore(code)
+                _teardown(code)
                 _report.internal_error(code, exc)
         if _CORE not in present:
             _original_excepthook = sys.excepthook
@@ -90,6 +99,8 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
 def uninstall() -> None:
     """Remove every patch: each touched attribute is again the very object it was before. Harmless when repeated."""
     with _lock:
+        for code in installed_checks():
+            _teardown(code)
         registry.restore()
 
 

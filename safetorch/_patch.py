@@ -114,57 +114,75 @@ def _inherited(owner: object, name: str) -> Any:
 class _Record:
     owner: object
     name: str
-    had: bool
-    previous: object
+    had: bool  # whether the owner's own __dict__ held the name before this patch
+    previous: object  # what it held (None when it did not)
+    target: object  # what the patch wraps: ``previous``, or the inherited object
     installed: object
     group: str
 
 
 class Registry:
-    """Records every attribute safetorch sets, by owner and name, and puts back exactly what was there."""
+    """Records every attribute safetorch sets, by owner, name and group, and puts back exactly what was there.
+
+    Two checks may wrap the same attribute (``Tensor.backward``): each group adds one layer, and restoring a group
+    whose layer is not the outermost splices it out of the chain, leaving the other group's layer in place.
+    """
 
     def __init__(self) -> None:
-        self._records: dict[tuple[int, str], _Record] = {}
+        self._records: dict[tuple[int, str, str], _Record] = {}
         self._lock = threading.RLock()
+
+    def _ours(self, owner: object, name: str) -> list[_Record]:
+        return [r for r in self._records.values() if r.owner is owner and r.name == name]
 
     def wrap(self, owner: object, name: str, wrapper: Wrapper, group: str) -> Any:
         """Wrap ``owner.name`` with ``wrapper(wrapped, instance, args, kwargs)``; return the patch in place."""
         with self._lock:
-            record = self._records.get((id(owner), name))
+            record = self._records.get((id(owner), name, group))
             if record is not None:
                 return record.installed
             current = _namespace(owner).get(name, _MISSING)
-            if current is not _MISSING and is_patch(current):
-                return current
+            if current is not _MISSING and is_patch(current) and not any(r.installed is current
+                                                                          for r in self._ours(owner, name)):
+                return current  # another copy of safetorch (a reloaded module) already wraps it: no second layer
             target = current if current is not _MISSING else _inherited(owner, name)
-            return self.set(owner, name, Patch(target, wrapper, owner, name), group)
+            return self._put(owner, name, Patch(target, wrapper, owner, name), group, target)
 
     def set(self, owner: object, name: str, value: Any, group: str) -> Any:
         """Put ``value`` at ``owner.name`` (a plain replacement, for what is not a wrapped callable)."""
         with self._lock:
-            key = (id(owner), name)
-            if key in self._records:
-                return self._records[key].installed
-            ns = _namespace(owner)
-            had = name in ns
-            self._records[key] = _Record(owner, name, had, ns.get(name), value, group)
-            setattr(owner, name, value)
-            return value
+            record = self._records.get((id(owner), name, group))
+            if record is not None:
+                return record.installed
+            return self._put(owner, name, value, group, _namespace(owner).get(name))
+
+    def _put(self, owner: object, name: str, value: Any, group: str, target: object) -> Any:
+        ns = _namespace(owner)
+        had = name in ns
+        self._records[(id(owner), name, group)] = _Record(owner, name, had, ns.get(name), target, value, group)
+        setattr(owner, name, value)
+        return value
 
     def restore(self, group: str | None = None) -> None:
-        """Undo the patches of ``group`` (all when None). Harmless when there is nothing to undo."""
+        """Undo the patches of ``group`` (all when None), newest first. Harmless when there is nothing to undo."""
         with self._lock:
-            for key, rec in list(self._records.items()):
+            for key, rec in reversed(list(self._records.items())):
                 if group is not None and rec.group != group:
                     continue
                 del self._records[key]
                 current = _namespace(rec.owner).get(rec.name, _MISSING)
-                if current is not rec.installed:
-                    continue  # someone replaced our patch since: theirs stays
-                if rec.had:
-                    setattr(rec.owner, rec.name, rec.previous)
-                else:
-                    delattr(rec.owner, rec.name)
+                if current is rec.installed:
+                    if rec.had:
+                        setattr(rec.owner, rec.name, rec.previous)
+                    else:
+                        delattr(rec.owner, rec.name)
+                    continue
+                outer = next((r for r in self._ours(rec.owner, rec.name) if r.previous is rec.installed), None)
+                if outer is not None:  # another group's layer sits on ours: splice ours out of the chain
+                    outer.had, outer.previous, outer.target = rec.had, rec.previous, rec.target
+                    if is_patch(outer.installed) and outer.installed.__wrapped__ is rec.installed:
+                        outer.installed.__wrapped__ = rec.target
+                # else someone else replaced our patch since: theirs stays
 
     def groups(self) -> set[str]:
         return {rec.group for rec in self._records.values()}

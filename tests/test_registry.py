@@ -92,11 +92,14 @@ def test_wrapping_an_existing_patch_adds_no_layer() -> None:
 
 
 SNAPSHOT = r"""
-import json, sys, torch, torch.nn, torch.nn.functional, torch.autograd, torch.cuda, torch.optim
+import json, sys, torch, torch.nn, torch.nn.functional, torch.autograd, torch.cuda, torch.optim.optimizer
 namespaces = {"Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase, "F": torch.nn.functional,
               "Module": torch.nn.Module, "torch": torch, "autograd": torch.autograd, "cuda": torch.cuda,
               "Variable": torch.autograd.Variable, "optim": torch.optim.Optimizer, "sys": sys,
-              "_reduction": torch.nn._reduction}
+              "_reduction": torch.nn._reduction, "jit": torch.jit, "optimizer": sys.modules["torch.optim.optimizer"],
+              "enable_grad": torch.autograd.grad_mode.enable_grad, "no_grad": torch.autograd.grad_mode.no_grad,
+              "set_grad_enabled": torch.autograd.grad_mode.set_grad_enabled, "cuda.memory": torch.cuda.memory,
+              "autograd.variable": torch.autograd.variable}
 import torch.nn.modules.loss as L
 for n, c in vars(L).items():
     if isinstance(c, type):
@@ -156,3 +159,21 @@ print(type(f.__wrapped__).__name__)
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "method_descriptor"
+
+
+def test_two_groups_layer_on_one_attribute_and_restore_in_any_order() -> None:
+    class Owner:
+        def method(self) -> list[str]:
+            return ["original"]
+
+    original = Owner.__dict__["method"]
+    for first, second in (("a", "b"), ("b", "a")):
+        reg = Registry()
+        reg.wrap(Owner, "method", lambda w, i, a, k: ["a", *w(*a, **k)], "a")
+        reg.wrap(Owner, "method", lambda w, i, a, k: ["b", *w(*a, **k)], "b")
+        reg.wrap(Owner, "method", lambda w, i, a, k: ["again", *w(*a, **k)], "a")  # same group: no new layer
+        assert Owner().method() == ["b", "a", "original"]
+        reg.restore(first)
+        assert Owner().method() == [second, "original"]
+        reg.restore(second)
+        assert Owner.__dict__["method"] is original

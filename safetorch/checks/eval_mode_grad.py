@@ -1,0 +1,310 @@
+"""ST003: the forward of an eval-mode model runs under ``torch.no_grad()`` when autograd would record for nothing.
+
+People call ``model.eval()`` and believe it disables gradients; it only switches dropout and BatchNorm, and the
+validation loop keeps every activation for a backward that never comes.
+
+Semantics: a forward of module ``m`` runs under no_grad, reported once per call site, when all hold:
+``m`` is in eval mode and called at top level (not from inside another module's forward: a training parent
+decides for its children); grad mode is on and was not asked for explicitly (``torch.enable_grad()``,
+``torch.set_grad_enabled(True)``); no tensor among the inputs requires grad (args, kwargs and one level of
+lists/tuples/dicts); some parameter of ``m`` requires grad.
+
+Design rules:
+- No global module hooks (they switch off torch's fast path in ``Module.__call__`` for every module):
+  ``Module.train`` is wrapped, and a module that goes to eval mode gets one forward pre-hook and one always-called
+  forward hook, removed again when it goes back to training. Modules never put in eval mode pay nothing.
+- Hooks are found by identity in the module's hook dictionaries, so deep copies and unpickled modules are handled
+  as well as the original, and toggling eval/train never grows those dictionaries.
+- The hook objects pickle as ``None.__init__``, a built-in no-op that accepts any arguments: a model saved with
+  safetorch installed loads where safetorch is not. They deep-copy as themselves.
+- Explicit grad mode is tracked per thread, as torch's grad mode is.
+- When a backward then fails because it starts from a tensor computed under that no_grad, torch's bare
+  "does not require grad" error becomes a `SafetorchError` that names the model and the ways out.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.autograd import grad_mode
+
+from .._callsite import call_source
+from .._exceptions import SafetorchError
+from .._patch import Registry
+from .._report import internal_error, is_internal, report, user_frame
+
+CODE = "ST003"
+
+_call_impl_code = torch.nn.Module._call_impl.__code__
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+class _State(threading.local):
+    explicit = False  # grad mode was switched on explicitly (enable_grad / set_grad_enabled(True))
+    active: list[torch.nn.Module]  # modules whose forward this thread runs under our no_grad
+
+    def __init__(self) -> None:
+        self.active = []
+
+
+_state = _State()
+_enabled = False
+_attached: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+@dataclass
+class _NoGradSite:
+    model: str
+    type_name: str
+    filename: str
+    lineno: int
+
+
+#: The call sites whose eval-mode forward ran under no_grad, for the backward error message.
+_sites: dict[tuple[str, int], _NoGradSite] = {}
+
+
+class _Hook:
+    """A forward hook of ours: found by identity, deep-copied as itself, pickled as a built-in no-op."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, (None, "__init__"))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return self
+
+
+def _requires_grad(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
+    if isinstance(value, dict):
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in value.values())
+    return False
+
+
+def _nested(frame: FrameType | None) -> bool:
+    """True when, above this module's own ``_call_impl``, another module's ``_call_impl`` is running."""
+    seen = 0
+    while frame is not None:
+        if frame.f_code is _call_impl_code:
+            seen += 1
+            if seen > 1:
+                return True
+        frame = frame.f_back
+    return False
+
+
+def _callee_name(frame: FrameType) -> str | None:
+    text = call_source(frame)
+    if text is None:
+        return None
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    return ast.unparse(node.func) if isinstance(node, ast.Call) else None
+
+
+def _message(frame: FrameType, module: torch.nn.Module) -> str:
+    name = _callee_name(frame) or "model"
+    kind = type(module).__name__
+    _sites[(frame.f_code.co_filename, frame.f_lineno)] = _NoGradSite(name, kind, frame.f_code.co_filename,
+                                                                      frame.f_lineno)
+    return (f"{CODE} {name} ({kind}) is in eval mode with autograd on: eval() does not disable gradients, so this "
+            f"forward would keep every activation for a backward that never comes; safetorch ran it under "
+            f"torch.no_grad(). Write: `with torch.no_grad():` around the evaluation (or `with torch.enable_grad():` "
+            f"to train through an eval-mode forward)")
+
+
+def _pre(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        if (not _enabled or _is_compiling() or not _is_grad_enabled() or _state.explicit or module.training
+                or any(map(_requires_grad, args)) or any(map(_requires_grad, kwargs.values()))
+                or not any(p.requires_grad for p in module.parameters())):
+            return None
+        frame = sys._getframe(1)
+        if _nested(frame):
+            return None
+        caller = user_frame(frame)
+        if caller is None:
+            return None
+        report(CODE, caller, lambda: _message(caller, module))
+        _set_grad_enabled(False)
+        _state.active.append(module)
+    except SafetorchError:
+        raise
+    except Exception as exc:
+        internal_error(CODE, exc)
+    return None
+
+
+def _post(module: torch.nn.Module, *rest: Any) -> None:
+    # Called as (module, args, kwargs, output), or (module, args, output) when the forward raised.
+    active = _state.active
+    if active and active[-1] is module:
+        active.pop()
+        _set_grad_enabled(True)
+
+
+_PRE = _Hook(_pre)
+_POST = _Hook(_post)
+
+
+def _is_ours(hook: Any) -> bool:
+    # Ours, or what ours became after a round trip through pickle.
+    return hook is _PRE or hook is _POST or isinstance(hook, _Hook) or (
+        getattr(hook, "__self__", 1) is None and getattr(hook, "__name__", "") == "__init__")
+
+
+def _detach(module: torch.nn.Module) -> None:
+    for hooks, extras in (("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
+                          ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"))):
+        table = module.__dict__.get(hooks)
+        if not table:
+            continue
+        for key in [k for k, h in table.items() if _is_ours(h)]:
+            del table[key]
+            for extra in extras:
+                module.__dict__.get(extra, {}).pop(key, None)
+
+
+def _attach(module: torch.nn.Module) -> None:
+    pre = module.__dict__.get("_forward_pre_hooks", {})
+    if any(h is _PRE for h in pre.values()):
+        return
+    _detach(module)  # relics of a pickled copy
+    module.register_forward_pre_hook(_PRE, with_kwargs=True)
+    module.register_forward_hook(_POST, with_kwargs=True, always_call=True)
+    _attached.add(module)
+
+
+def _has_ours(module: torch.nn.Module) -> bool:
+    return any(h is _PRE for h in module.__dict__.get("_forward_pre_hooks", {}).values())
+
+
+def _script(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """TorchScript compiles a module's hooks with it: ours are taken off while it compiles, and put back."""
+    obj = args[0] if args else kwargs.get("obj")
+    hidden = []
+    try:
+        if isinstance(obj, torch.nn.Module):
+            hidden = [m for m in obj.modules() if _has_ours(m)]
+            for m in hidden:
+                _detach(m)
+    except Exception as exc:
+        internal_error(CODE, exc)
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        for m in hidden:
+            _attach(m)
+
+
+def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    try:
+        if (isinstance(instance, torch.nn.Module) and not isinstance(instance, torch.jit.ScriptModule)
+                and not _is_compiling()):
+            if instance.training:
+                _detach(instance)
+                _attached.discard(instance)
+            else:
+                _attach(instance)
+    except Exception as exc:
+        internal_error(CODE, exc)
+    return result
+
+
+# --- explicit grad mode, per thread ---------------------------------------------------------------------------
+
+
+def _enable_enter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    instance._safetorch_explicit = _state.explicit
+    _state.explicit = True
+    return wrapped(*args, **kwargs)
+
+
+def _restore_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _state.explicit = getattr(instance, "_safetorch_explicit", False)
+    return wrapped(*args, **kwargs)
+
+
+def _set_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    instance._safetorch_explicit = _state.explicit
+    # torch itself calls set_grad_enabled(prev) to restore a mode (no_grad.__exit__): that is not the user asking.
+    if not is_internal(sys._getframe(1).f_code):
+        _state.explicit = bool(instance.mode)
+    return result
+
+
+def _set_enter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _state.explicit = bool(instance.mode)
+    return wrapped(*args, **kwargs)
+
+
+# --- the backward error -----------------------------------------------------------------------------------------
+
+
+def _backward_message(error: BaseException) -> str:
+    sites = list(_sites.values())[-3:]
+    where = "; ".join(f"{s.model} ({s.type_name}) at {s.filename}:{s.lineno}" for s in sites)
+    first = sites[-1].model if sites else "model"
+    return (f"{CODE} backward() failed: {error}. safetorch ran the eval-mode forward of {where} under "
+            f"torch.no_grad(), so its output carries no graph. To train through it: call {first}.train() before the "
+            f"forward, or wrap the forward in `with torch.enable_grad():`, or switch this check off with "
+            f"SAFETORCH_IGNORE=ST003.")
+
+
+def _backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        return wrapped(*args, **kwargs)
+    except RuntimeError as error:
+        if _sites and "does not require grad" in str(error) and not isinstance(error, SafetorchError):
+            raise SafetorchError(_backward_message(error), code=CODE) from error
+        raise
+
+
+def install(registry: Registry) -> None:
+    global _enabled
+    _enabled = True
+    registry.wrap(torch.nn.Module, "train", _train, CODE)
+    registry.wrap(torch.jit, "script", _script, CODE)
+    registry.wrap(grad_mode.enable_grad, "__enter__", _enable_enter, CODE)
+    registry.wrap(grad_mode.enable_grad, "__exit__", _restore_exit, CODE)
+    registry.wrap(grad_mode.set_grad_enabled, "__init__", _set_init, CODE)
+    registry.wrap(grad_mode.set_grad_enabled, "__enter__", _set_enter, CODE)
+    registry.wrap(grad_mode.set_grad_enabled, "__exit__", _restore_exit, CODE)
+    registry.wrap(grad_mode.set_grad_enabled, "__call__", _restore_exit, CODE)
+    registry.wrap(torch.Tensor, "backward", _backward, CODE)
+    registry.wrap(torch.autograd, "backward", _backward, CODE)
+
+
+def uninstall() -> None:
+    """Take our hooks off every module we attached them to; hooks on copies we never saw become no-ops."""
+    global _enabled
+    _enabled = False
+    for module in list(_attached):
+        _detach(module)
+    _attached.clear()
