@@ -25,6 +25,10 @@ CHECKS: dict[str, str] = {
     "ST001": "discarded_conversion",
     "ST002": "legacy_reduction",
     "ST003": "eval_mode_grad",
+    "ST004": "graph_accumulation",
+    "ST005": "volatile_variable",
+    "ST006": "non_finite_loss",
+    "ST007": "empty_cache_loop",
 }
 
 _CORE = "core"
@@ -57,6 +61,11 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     try:
         if isinstance(exc, SafetorchError):
             tb = _report.prune_traceback(tb)
+        elif hasattr(exc, "add_note"):  # PEP 678, Python 3.11+
+            for code in installed_checks():
+                notes = getattr(_check_module(code), "crash_notes", None)
+                for note in notes(exc) if notes is not None else ():
+                    exc.add_note(note)
     except Exception:
         pass
     sys.__excepthook__(exc_type, exc, tb) if _original_excepthook is None else _original_excepthook(exc_type, exc, tb)

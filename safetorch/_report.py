@@ -26,7 +26,7 @@ from . import _config
 from ._exceptions import SafetorchError, SafetorchInternalWarning
 from ._rules import RULES
 
-__all__ = ["Site", "findings", "internal_error", "is_internal", "report", "reset", "user_frame"]
+__all__ = ["Site", "findings", "internal_error", "is_internal", "report", "report_at", "reset", "user_frame"]
 
 
 def _package_dir(module: str) -> str:
@@ -86,8 +86,13 @@ _lock = threading.Lock()
 def report(code: str, frame: FrameType, message: str | Callable[[], str]) -> None:
     """Report finding ``code`` at ``frame``'s current line: warn once per call site, or raise in strict mode."""
     __tracebackhide__ = True  # noqa: F841  (pytest hides this frame)
-    filename = frame.f_code.co_filename
-    lineno = frame.f_lineno
+    report_at(code, frame.f_code.co_filename, frame.f_lineno, frame.f_globals, message)
+
+
+def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, Any],
+              message: str | Callable[[], str]) -> None:
+    """`report` for a line remembered earlier (ST006 on CUDA reports a step after the line ran)."""
+    __tracebackhide__ = True  # noqa: F841
     key = (code, filename, lineno)
     site = _sites.get(key)
     strict = _config.current.strict
@@ -102,15 +107,14 @@ def report(code: str, frame: FrameType, message: str | Callable[[], str]) -> Non
             _sites[key].count += 1
             return
         _sites[key] = Site(code, filename, lineno, text)
-    globs = frame.f_globals
     warnings.warn_explicit(
         text,
         RULES[code].category,
         filename,
         lineno,
-        module=globs.get("__name__"),
-        registry=globs.setdefault("__warningregistry__", {}),
-        module_globals=globs,
+        module=module_globals.get("__name__"),
+        registry=module_globals.setdefault("__warningregistry__", {}),
+        module_globals=module_globals,
     )
 
 

@@ -67,3 +67,26 @@ def install(registry: Registry) -> None:
     for name in METHODS:
         if hasattr(torch.Tensor, name):
             registry.wrap(torch.Tensor, name, _wrapper, CODE)
+
+
+#: Error messages of device and dtype mismatches, which a discarded conversion typically causes later.
+MISMATCH = (
+    "Expected all tensors to be on the same device",
+    "should be the same",  # Input type (...) and weight type (...) should be the same
+    "must have the same dtype",
+    "expected scalar type",
+    "Expected object of device type",
+    "expected m1 and m2 to have the same dtype",
+)
+
+
+def crash_notes(exc: BaseException) -> list[str]:
+    """For an uncaught device/dtype mismatch: name the earlier discarded conversions, its usual cause."""
+    text = str(exc)
+    if not isinstance(exc, (RuntimeError, TypeError)) or not any(m in text for m in MISMATCH):
+        return []
+    from .._report import findings
+
+    sites = [s for s in findings() if s.code == CODE]
+    return [f"safetorch: {s.filename}:{s.lineno} discarded a conversion earlier, the usual cause of this error: "
+            f"{s.message.removeprefix(CODE).strip()}" for s in sites[-3:]]

@@ -1,0 +1,172 @@
+"""ST006: a NaN or infinite loss reaching ``backward()``, reported at the line that called backward.
+
+On the CPU the value is checked directly. On CUDA no host synchronisation is added: the check is queued on the
+device (``isfinite().all()``), copied without blocking into pinned host memory, and a CUDA event is recorded after
+it. The result is read only once that event has completed — polled at the next ``backward()``, at the next
+optimizer step, and at exit — and then reported with the line that called backward. A step that the GPU has not
+finished yet is simply looked at again at the next poll.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .._callsite import method_call
+from .._exceptions import SafetorchError
+from .._patch import Registry
+from .._report import internal_error, is_internal, report, report_at
+
+CODE = "ST006"
+
+CAUSES = ("the usual causes: a learning rate too high (try a smaller one, or gradient clipping), log(0) or "
+          "log of a negative number, a division by zero (add an epsilon), or bad data (NaN/Inf in inputs or "
+          "labels); torch.autograd.set_detect_anomaly(True) finds the operation that produced it")
+
+
+def _describe(t: torch.Tensor) -> str:
+    if t.numel() == 1:
+        return f"is {t.item()}"
+    nan = int(torch.isnan(t).sum())
+    inf = int(torch.isinf(t).sum())
+    return f"has {nan} NaN and {inf} infinite values among its {t.numel()} elements"
+
+
+def _message(name: str, value: str) -> str:
+    return f"{CODE} {name} {value} when backward() starts from it: its gradients will be NaN; {CAUSES}"
+
+
+def _name(frame: FrameType, method: str, nargs: int) -> str:
+    receiver, _ = method_call(frame, method, nargs)
+    if method == "backward":
+        return receiver or "the loss"
+    return "the tensor given to torch.autograd.backward"
+
+
+@dataclass
+class _Pending:
+    flag: torch.Tensor  # pinned host bool: True when non-finite
+    event: Any
+    filename: str
+    lineno: int
+    module_globals: dict[str, Any]
+    name: str
+
+
+_pending: list[_Pending] = []
+_lock = threading.Lock()
+_hook_handle: Any = None
+_atexit_registered = False
+
+
+def poll(wait: bool = False) -> None:
+    """Report the CUDA checks whose event has completed (all of them, waiting, when ``wait``)."""
+    if not _pending:
+        return
+    with _lock:
+        ready = [p for p in _pending if wait or p.event.query()]
+        for p in ready:
+            _pending.remove(p)
+    for p in ready:
+        if wait:
+            p.event.synchronize()
+        if bool(p.flag):
+            report_at(CODE, p.filename, p.lineno, p.module_globals,
+                      lambda p=p: _message(p.name, "is NaN or infinite"))
+
+
+def _queue_cuda(t: torch.Tensor, frame: FrameType, name: str) -> None:
+    bad = ~torch.isfinite(t.detach()).all()
+    flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+    flag.copy_(bad, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    with _lock:
+        _pending.append(_Pending(flag, event, frame.f_code.co_filename, frame.f_lineno, frame.f_globals, name))
+
+
+def _check(tensors: Iterable[Any], frame: FrameType, method: str, nargs: int) -> None:
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+            continue
+        if t.is_cuda:
+            _queue_cuda(t, frame, _name(frame, method, nargs))
+        elif not bool(torch.isfinite(t.detach()).all()):
+            report(CODE, frame, lambda t=t: _message(_name(frame, method, nargs), _describe(t.detach())))
+
+
+def _tensor_backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        if not torch.compiler.is_compiling():
+            poll()
+            frame = sys._getframe(1)
+            if not is_internal(frame.f_code):
+                _check((instance,), frame, "backward", len(args))
+    except SafetorchError:
+        raise
+    except Exception as exc:
+        internal_error(CODE, exc)
+    return wrapped(*args, **kwargs)
+
+
+def _autograd_backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        frame = sys._getframe(1)
+        # Tensor.backward calls torch.autograd.backward: that call comes from torch and was checked already.
+        if not torch.compiler.is_compiling() and not is_internal(frame.f_code):
+            poll()
+            tensors = args[0] if args else kwargs.get("tensors")
+            _check((tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()), frame,
+                   "autograd.backward", len(args))
+    except SafetorchError:
+        raise
+    except Exception as exc:
+        internal_error(CODE, exc)
+    return wrapped(*args, **kwargs)
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    try:
+        poll()
+    except SafetorchError:
+        raise
+    except Exception as exc:
+        internal_error(CODE, exc)
+
+
+def _at_exit() -> None:
+    try:
+        if _pending and torch.cuda.is_available():
+            poll(wait=True)
+    except Exception:
+        pass
+
+
+def install(registry: Registry) -> None:
+    global _hook_handle, _atexit_registered
+    registry.wrap(torch.Tensor, "backward", _tensor_backward, CODE)
+    registry.wrap(torch.autograd, "backward", _autograd_backward, CODE)
+    if _hook_handle is None:
+        _hook_handle = register_optimizer_step_pre_hook(_before_step)
+    if not _atexit_registered:
+        atexit.register(_at_exit)
+        _atexit_registered = True
+
+
+def uninstall() -> None:
+    global _hook_handle
+    if _hook_handle is not None:
+        _hook_handle.remove()
+        _hook_handle = None
+    with _lock:
+        _pending.clear()
