@@ -6,6 +6,8 @@ Public surface (design.md): `install`, `uninstall`, `SafetorchWarning` and one s
 
 from __future__ import annotations
 
+from . import functional as functional
+from . import nn as nn
 from ._exceptions import DiscardedConversionWarning as DiscardedConversionWarning
 from ._exceptions import EmptyCacheLoopWarning as EmptyCacheLoopWarning
 from ._exceptions import EvalModeGradWarning as EvalModeGradWarning
@@ -37,8 +39,10 @@ __all__ = [
     "SafetorchInternalWarning",
     "SafetorchWarning",
     "VolatileVariableWarning",
+    "functional",
     "install",
     "installed_checks",
+    "nn",
     "uninstall",
 ]
 
