@@ -137,7 +137,14 @@ def accumulates(frame: FrameType) -> bool:
 
 def source_line(frame: FrameType) -> str:
     """The stripped source line the frame is executing, or '' when it cannot be read."""
-    return linecache.getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals).strip()
+    return _getline(frame.f_code.co_filename, frame.f_lineno, frame).strip()
+
+
+def _getline(filename: str, lineno: int, frame: FrameType) -> str:
+    try:
+        return linecache.getline(filename, lineno, frame.f_globals)
+    except (ImportError, OSError):  # a loader that cannot serve this module's source under its run name
+        return linecache.getline(filename, lineno)
 
 
 def call_source(frame: FrameType) -> str | None:
@@ -152,7 +159,7 @@ def call_source(frame: FrameType) -> str | None:
     line, end_line, col, end_col = positions[index]
     if line is None or end_line is None or col is None or end_col is None:
         return None
-    lines = [linecache.getline(code.co_filename, n, frame.f_globals) for n in range(line, end_line + 1)]
+    lines = [_getline(code.co_filename, n, frame) for n in range(line, end_line + 1)]
     if not lines or not all(lines):
         return None
     # Column offsets are in UTF-8 bytes.

@@ -67,6 +67,16 @@ def parse_ignore_argument(ignore: Iterable[str] | str) -> frozenset[str]:
     return frozenset(codes)
 
 
+def parse_report(raw: str) -> bool | str:
+    """SAFETORCH_REPORT: 1 (or empty) prints the exit summary, 0 silences it, anything else is a JSON path."""
+    value = raw.strip()
+    if value.lower() in _TRUE or value == "":
+        return True
+    if value.lower() in _FALSE:
+        return False
+    return value
+
+
 def from_environ(environ: dict[str, str] | os._Environ[str] | None = None) -> Config:
     """Read the SAFETORCH_* variables. Never raises: bad values warn once each and are ignored."""
     env = os.environ if environ is None else environ
@@ -77,14 +87,7 @@ def from_environ(environ: dict[str, str] | os._Environ[str] | None = None) -> Co
             _warn(f"SAFETORCH_IGNORE names an unknown rule {token!r}; it is ignored. Valid: {_rules.valid_tokens()}")
         else:
             ignore.add(code)
-    raw_report = env.get("SAFETORCH_REPORT", "1").strip()
-    report: bool | str
-    if raw_report.lower() in _TRUE or raw_report == "":
-        report = True
-    elif raw_report.lower() in _FALSE:
-        report = False
-    else:
-        report = raw_report
+    report = parse_report(env.get("SAFETORCH_REPORT", "1"))
     return Config(
         strict=_flag("SAFETORCH_STRICT", env),
         disabled=_flag("SAFETORCH_DISABLE", env),

@@ -78,6 +78,17 @@ class Site:
     rank: int | None = None
 
 
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+#: The process's rank and the job's size under torchrun (RANK / WORLD_SIZE); 0 and 1 otherwise.
+_RANK = _env_int("RANK", 0)
+_WORLD = _env_int("WORLD_SIZE", 1)
+
 _sites: dict[tuple[str, str, int], Site] = {}
 _internal_reported: set[str] = set()
 _lock = threading.Lock()
@@ -100,13 +111,18 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         site.count += 1
         return
     text = message() if callable(message) else message
-    if strict:
+    rule = RULES[code]
+    if _WORLD > 1 and rule.per_rank:
+        text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
+    if strict:  # every rank raises
         raise SafetorchError(text, code=code, filename=filename, lineno=lineno)
     with _lock:
         if key in _sites:
             _sites[key].count += 1
             return
-        _sites[key] = Site(code, filename, lineno, text)
+        _sites[key] = Site(code, filename, lineno, text, rank=_RANK if _WORLD > 1 else None)
+    if _RANK != 0 and not rule.per_rank:
+        return  # under torchrun, rank 0 prints what every rank sees
     warnings.warn_explicit(
         text,
         RULES[code].category,
@@ -114,7 +130,8 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         lineno,
         module=module_globals.get("__name__"),
         registry=module_globals.setdefault("__warningregistry__", {}),
-        module_globals=module_globals,
+        # Globals only serve to find source that is not on disk; a runpy'd module's loader refuses "__main__".
+        module_globals=None if os.path.exists(filename) else module_globals,
     )
 
 
@@ -159,8 +176,12 @@ def prune_traceback(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
+def _shown_here(site: Site) -> bool:
+    return _RANK == 0 or RULES[site.code].per_rank
+
+
 def format_summary() -> str:
-    sites = findings()
+    sites = [s for s in findings() if _shown_here(s)]
     lines = [f"safetorch: {len(sites)} finding(s) at {sum(s.count for s in sites)} occurrence(s)"]
     for s in sites:
         text = s.message.splitlines()[0].removeprefix(s.code).strip()
@@ -181,7 +202,7 @@ def exit_summary() -> None:
     """Print the summary on stderr at exit (not in an interactive session); write the JSON when asked."""
     try:
         cfg = _config.current
-        if cfg.report is False or not _sites:
+        if cfg.report is False or not any(_shown_here(s) for s in _sites.values()):
             return
         if isinstance(cfg.report, str):
             write_json(cfg.report)

@@ -26,6 +26,9 @@ class Rule:
     name: str
     category: type[SafetorchWarning]
     summary: str
+    #: Under torchrun every rank runs the same code, so a finding is printed by rank 0 only; a per-rank finding
+    #: (a NaN loss on one rank's data) is printed by each rank that sees it, with its rank.
+    per_rank: bool = False
 
 
 RULES: dict[str, Rule] = {
@@ -42,7 +45,7 @@ RULES: dict[str, Rule] = {
         Rule("ST005", "volatile-variable", VolatileVariableWarning,
              "Variable(..., volatile=True), which has no effect since torch 0.4"),
         Rule("ST006", "non-finite-loss", NonFiniteLossWarning,
-             "a NaN or infinite loss reaching backward()"),
+             "a NaN or infinite loss reaching backward()", per_rank=True),
         Rule("ST007", "empty-cache-loop", EmptyCacheLoopWarning,
              "torch.cuda.empty_cache() called over and over from one line"),
     )

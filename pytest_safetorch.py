@@ -1,0 +1,31 @@
+"""safetorch's pytest plugin: ``pytest --safetorch`` (or ``--safetorch-strict``) installs the checks for a test run.
+
+Registered by entry point, so it is there once safetorch is installed, but it imports nothing and changes nothing
+unless asked: it lives outside the ``safetorch`` package because importing that package installs the checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def pytest_addoption(parser: Any) -> None:
+    group = parser.getgroup("safetorch", "safetorch: PyTorch pitfall checks")
+    group.addoption("--safetorch", action="store_true", default=None,
+                    help="install safetorch's checks for the test run: findings appear in the warnings summary")
+    group.addoption("--safetorch-strict", action="store_true", default=None,
+                    help="like --safetorch, and a finding fails its test with safetorch.SafetorchError")
+    parser.addini("safetorch", type="bool", default=False, help="install safetorch's checks (as --safetorch)")
+    parser.addini("safetorch_strict", type="bool", default=False,
+                  help="install safetorch's checks in strict mode (as --safetorch-strict)")
+
+
+def pytest_configure(config: Any) -> None:
+    strict = bool(config.getoption("safetorch_strict") or config.getini("safetorch_strict"))
+    enabled = strict or bool(config.getoption("safetorch") or config.getini("safetorch"))
+    if not enabled:
+        return
+    import safetorch
+
+    safetorch.install(strict=strict)
+    config.addinivalue_line("markers", "safetorch: safetorch's checks are installed for this run")

@@ -1,0 +1,212 @@
+"""The user-facing tools driven as a user would: the runner, the exit report, the pytest plugin, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from .conftest import ROOT
+
+SCRIPT = textwrap.dedent("""\
+    import sys
+    import torch
+    print("argv", sys.argv[1:], __name__)
+    x = torch.ones(2)
+    x.double()
+    if __name__ == "__main__":
+        print("main block")
+    raise SystemExit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+""")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _run(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "safetorch", *args], capture_output=True, text=True, cwd=cwd,
+                          env=_env(**env), timeout=180)
+
+
+@pytest.fixture
+def script(tmp_path: os.PathLike[str]) -> str:
+    path = os.path.join(tmp_path, "prog.py")
+    with open(path, "w") as fh:
+        fh.write(SCRIPT)
+    return path
+
+
+def test_script_gets_its_own_argv_main_and_exit_code(script: str, tmp_path: str) -> None:
+    proc = _run([script, "3", "--flag"], cwd=str(tmp_path))
+    assert proc.returncode == 3
+    assert "argv ['3', '--flag'] __main__" in proc.stdout and "main block" in proc.stdout
+    assert f"{script}:5: DiscardedConversionWarning: ST001 x.double()" in proc.stderr
+
+
+def test_exit_report_text_and_json(script: str, tmp_path: str) -> None:
+    report = os.path.join(tmp_path, "findings.json")
+    proc = _run(["--report", report, script], cwd=str(tmp_path))
+    assert proc.returncode == 0
+    assert re.search(rf"safetorch: 1 finding\(s\) at 1 occurrence\(s\)\n  ST001 {re.escape(script)}:5 \(x1\): "
+                     r"x.double\(\) returns a copy", proc.stderr)
+    with open(report) as fh:
+        data = json.load(fh)
+    assert [(d["code"], d["file"], d["line"], d["count"]) for d in data] == [("ST001", script, 5, 1)]
+    assert data[0]["message"].startswith("ST001 x.double()")
+    quiet = _run(["--report", "0", script], cwd=str(tmp_path))
+    assert "finding(s)" not in quiet.stderr and "DiscardedConversionWarning" in quiet.stderr
+
+
+def test_strict_stops_on_the_first_finding(script: str, tmp_path: str) -> None:
+    proc = _run(["--strict", script, "0"], cwd=str(tmp_path))
+    assert proc.returncode == 1
+    assert "main block" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("safetorch._exceptions.SafetorchError: ST001 x.double() returns a copy")
+    assert [ln for ln in lines if ln.startswith('  File "')][-1] == f'  File "{script}", line 5, in <module>'
+
+
+def test_ignore_and_bad_ignore(script: str, tmp_path: str) -> None:
+    assert "ST001" not in _run(["--ignore", "ST001", script], cwd=str(tmp_path)).stderr
+    bad = _run(["--ignore", "ST123", script], cwd=str(tmp_path))
+    assert bad.returncode == 2 and "unknown rule 'ST123'" in bad.stderr and "usage:" in bad.stderr
+
+
+def test_module_form(tmp_path: str) -> None:
+    pkg = os.path.join(tmp_path, "mypkg")
+    os.makedirs(pkg)
+    with open(os.path.join(pkg, "__init__.py"), "w"):
+        pass
+    with open(os.path.join(pkg, "train.py"), "w") as fh:
+        fh.write(SCRIPT)
+    proc = _run(["-m", "mypkg.train", "4"], cwd=str(tmp_path))
+    assert proc.returncode == 4
+    assert "argv ['4'] __main__" in proc.stdout and "main block" in proc.stdout
+    assert "train.py:5: DiscardedConversionWarning" in proc.stderr
+
+
+def test_help_and_console_script(tmp_path: str) -> None:
+    proc = _run(["--help"], cwd=str(tmp_path))
+    assert proc.returncode == 0
+    for word in ("--strict", "--ignore", "-m module", "SAFETORCH_DISABLE", "SAFETORCH_REPORT"):
+        assert word in proc.stdout
+    exe = shutil.which("safetorch")
+    if exe is None:
+        pytest.skip("the console script is not installed (pip install -e .)")
+    assert subprocess.run([exe, "--help"], capture_output=True, text=True).stdout == proc.stdout
+
+
+def test_spawned_workers_behave_as_without_the_runner(tmp_path: str) -> None:
+    path = os.path.join(tmp_path, "spawn.py")
+    with open(path, "w") as fh:
+        fh.write(textwrap.dedent("""\
+            import multiprocessing as mp
+            import torch
+
+            def work(n):
+                return float(torch.ones(n).double().sum())
+
+            if __name__ == "__main__":
+                with mp.get_context("spawn").Pool(2) as pool:
+                    print(pool.map(work, [1, 2, 3]))
+        """))
+    proc = _run([path], cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[1.0, 2.0, 3.0]"
+
+
+def test_the_demo_fires_every_rule_once_on_its_line() -> None:
+    demo = os.path.join("examples", "demo.py")
+    proc = _run([demo], cwd=ROOT, SAFETORCH_REPORT="0")
+    assert proc.returncode == 0, proc.stderr
+    with open(os.path.join(ROOT, demo)) as fh:
+        marked = {m.group(1): n for n, line in enumerate(fh, 1) if (m := re.search(r"# (ST00\d):", line))}
+    fired = re.findall(r"^examples/demo\.py:(\d+): \w+Warning: (ST00\d) ", proc.stderr, re.M)
+    assert sorted((code, int(line)) for line, code in fired) == sorted(marked.items())
+    assert len(marked) == 7
+
+
+# --- pytest plugin --------------------------------------------------------------------------------------------
+
+TEST_FILE = textwrap.dedent("""\
+    import torch
+
+    def test_discards():
+        x = torch.ones(2)
+        x.double()
+""")
+
+
+def _pytest(tmp_path: str, *args: str, ini: str = "") -> subprocess.CompletedProcess[str]:
+    with open(os.path.join(tmp_path, "test_user.py"), "w") as fh:
+        fh.write(TEST_FILE)
+    with open(os.path.join(tmp_path, "pytest.ini"), "w") as fh:
+        fh.write("[pytest]\n" + ini)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=180)
+
+
+def test_plugin_off_leaves_the_suite_as_it_was(tmp_path: str) -> None:
+    proc = _pytest(tmp_path)
+    assert proc.returncode == 0
+    assert "ST001" not in proc.stdout and "1 passed" in proc.stdout
+
+
+def test_plugin_reports_findings_in_the_warnings_summary(tmp_path: str) -> None:
+    proc = _pytest(tmp_path, "--safetorch")
+    assert proc.returncode == 0
+    assert "test_user.py:5: DiscardedConversionWarning: ST001 x.double() returns a copy" in proc.stdout
+
+
+def test_plugin_strict_fails_the_test(tmp_path: str) -> None:
+    for args, ini in ((("--safetorch-strict",), ""), ((), "safetorch_strict = true\n")):
+        proc = _pytest(tmp_path, *args, ini=ini)
+        assert proc.returncode == 1
+        assert "SafetorchError: ST001 x.double() returns a copy" in proc.stdout
+    assert "ST001" in _pytest(tmp_path, ini="safetorch = true\n").stdout
+
+
+# --- torchrun -------------------------------------------------------------------------------------------------
+
+DDP_SCRIPT = textwrap.dedent("""\
+    import os
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+    x = torch.ones(8, 4)
+    x.double()
+    loss = model(x).sum()
+    if rank == 1:
+        loss = loss * float("nan")
+    loss.backward()
+    dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
+    path = os.path.join(tmp_path, "ddp.py")
+    with open(path, "w") as fh:
+        fh.write(DDP_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "safetorch", path]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(OMP_NUM_THREADS="1"),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stderr
+    assert out.count("DiscardedConversionWarning: ST001 x.double()") == 1
+    assert out.count("NonFiniteLossWarning: ST006 [rank 1] loss is nan") == 1
+    assert "[rank 0]" not in out
