@@ -32,6 +32,7 @@ CHECKS: dict[str, str] = {
 }
 
 _CORE = "core"
+_installed: set[str] = set()
 _env_config: _config.Config | None = None
 _atexit_registered = False
 _lock = threading.RLock()
@@ -50,6 +51,7 @@ def _check_module(code: str) -> ModuleType:
 
 def _teardown(code: str) -> None:
     """Restore a check's patches, and let it clean up what it attached to objects (ST003's module hooks)."""
+    _installed.discard(code)
     registry.restore(code)
     cleanup = getattr(_check_module(code), "uninstall", None)
     if cleanup is not None:
@@ -88,16 +90,16 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
         if cfg.disabled:
             return
         wanted = {code for code in CHECKS if code not in cfg.ignore}
-        present = registry.groups()
-        for code in present - wanted - {_CORE}:
+        for code in sorted(_installed - wanted):
             _teardown(code)
-        for code in sorted(wanted - present):
+        for code in sorted(wanted - _installed):
             try:
                 _check_module(code).install(registry)
+                _installed.add(code)
             except Exception as exc:  # a torch without one of the targets must not stop the others
                 _teardown(code)
                 _report.internal_error(code, exc)
-        if _CORE not in present:
+        if _CORE not in registry.groups():
             _original_excepthook = sys.excepthook
             registry.set(sys, "excepthook", _excepthook, _CORE)
         if not _atexit_registered:
@@ -115,4 +117,4 @@ def uninstall() -> None:
 
 def installed_checks() -> list[str]:
     """The rule codes whose checks are installed now."""
-    return sorted(g for g in registry.groups() if g != _CORE)
+    return sorted(_installed)

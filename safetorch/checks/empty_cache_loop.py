@@ -23,7 +23,8 @@ CODE = "ST007"
 THRESHOLD = 10
 WINDOW_S = 60.0
 
-_calls: dict[tuple[str, int], deque[float]] = {}
+_calls: dict[tuple[int, int], deque[float]] = {}
+_codes: list[Any] = []
 _clock = time.monotonic
 
 MESSAGE = (f"{CODE} torch.cuda.empty_cache() has been called {THRESHOLD} times from this line within "
@@ -37,11 +38,16 @@ def _empty_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
     __tracebackhide__ = True  # noqa: F841
     try:
         frame = sys._getframe(1)
-        if not is_internal(frame.f_code) and not torch.compiler.is_compiling():
-            key = (frame.f_code.co_filename, frame.f_lineno)
-            times = _calls.get(key)
-            if times is None:
+        code = frame.f_code
+        key = (id(code), frame.f_lasti)
+        times = _calls.get(key)
+        if times is None:
+            if is_internal(code) or torch.compiler.is_compiling():
+                times = None
+            else:
                 times = _calls[key] = deque(maxlen=THRESHOLD)
+                _codes.append(code)  # keeps the code alive, so that its id is not reused for another
+        if times is not None:
             now = _clock()
             times.append(now)
             if len(times) == THRESHOLD and now - times[0] <= WINDOW_S:
@@ -60,3 +66,4 @@ def install(registry: Registry) -> None:
 
 def uninstall() -> None:
     _calls.clear()
+    _codes.clear()

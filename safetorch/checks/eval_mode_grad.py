@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.autograd import grad_mode
 
+from .. import _backward
 from .._callsite import call_source
 from .._exceptions import SafetorchError
 from .._patch import Registry
@@ -76,13 +77,7 @@ _sites: dict[tuple[str, int], _NoGradSite] = {}
 class _Hook:
     """A forward hook of ours: found by identity, deep-copied as itself, pickled as a built-in no-op."""
 
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+    __slots__ = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (getattr, (None, "__init__"))
@@ -135,71 +130,81 @@ def _message(frame: FrameType, module: torch.nn.Module) -> str:
             f"to train through an eval-mode forward)")
 
 
-def _pre(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    __tracebackhide__ = True  # noqa: F841
-    try:
-        if (not _enabled or _is_compiling() or not _is_grad_enabled() or _state.explicit or module.training
-                or any(map(_requires_grad, args)) or any(map(_requires_grad, kwargs.values()))
-                or not any(p.requires_grad for p in module.parameters())):
-            return None
-        frame = sys._getframe(1)
-        if _nested(frame):
-            return None
-        caller = user_frame(frame)
-        if caller is None:
-            return None
-        report(CODE, caller, lambda: _message(caller, module))
-        _set_grad_enabled(False)
-        _state.active.append(module)
-    except SafetorchError:
-        raise
-    except Exception as exc:
-        internal_error(CODE, exc)
-    return None
+class _PreHook(_Hook):
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        __tracebackhide__ = True  # noqa: F841
+        try:
+            # Cheapest first: a validation loop under no_grad leaves at the first test.
+            if (not _is_grad_enabled() or _state.explicit or not _enabled or module.training or _is_compiling()
+                    or any(map(_requires_grad, args)) or any(map(_requires_grad, kwargs.values()))
+                    or not any(p.requires_grad for p in module.parameters())):
+                return None
+            frame = sys._getframe(1)
+            if _nested(frame):
+                return None
+            caller = user_frame(frame)
+            if caller is None:
+                return None
+            report(CODE, caller, lambda: _message(caller, module))
+            _set_grad_enabled(False)
+            _state.active.append(module)
+        except SafetorchError:
+            raise
+        except Exception as exc:
+            internal_error(CODE, exc)
+        return None
 
 
-def _post(module: torch.nn.Module, *rest: Any) -> None:
-    # Called as (module, args, kwargs, output), or (module, args, output) when the forward raised.
-    active = _state.active
-    if active and active[-1] is module:
-        active.pop()
-        _set_grad_enabled(True)
+class _PostHook(_Hook):
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, *rest: Any) -> None:
+        # Called as (module, args, kwargs, output), or (module, args, output) when the forward raised.
+        active = _state.active
+        if active and active[-1] is module:
+            active.pop()
+            _set_grad_enabled(True)
 
 
-_PRE = _Hook(_pre)
-_POST = _Hook(_post)
+_PRE = _PreHook()
+_POST = _PostHook()
 
 
-def _is_ours(hook: Any) -> bool:
-    # Ours, or what ours became after a round trip through pickle.
-    return hook is _PRE or hook is _POST or isinstance(hook, _Hook) or (
-        getattr(hook, "__self__", 1) is None and getattr(hook, "__name__", "") == "__init__")
-
-
-def _detach(module: torch.nn.Module) -> None:
-    for hooks, extras in (("_forward_pre_hooks", ("_forward_pre_hooks_with_kwargs",)),
-                          ("_forward_hooks", ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"))):
-        table = module.__dict__.get(hooks)
-        if not table:
-            continue
-        for key in [k for k, h in table.items() if _is_ours(h)]:
-            del table[key]
-            for extra in extras:
-                module.__dict__.get(extra, {}).pop(key, None)
-
-
-def _attach(module: torch.nn.Module) -> None:
-    pre = module.__dict__.get("_forward_pre_hooks", {})
-    if any(h is _PRE for h in pre.values()):
-        return
-    _detach(module)  # relics of a pickled copy
-    module.register_forward_pre_hook(_PRE, with_kwargs=True)
-    module.register_forward_hook(_POST, with_kwargs=True, always_call=True)
-    _attached.add(module)
+# Our hooks sit under fixed keys (torch's own handle ids count up from 0): attaching and detaching are a few dict
+# operations, with no scan, no RemovableHandle, and nothing that grows when eval() and train() alternate.
+_PRE_KEY = -0x5AFE
+_POST_KEY = -0x5AFF
+_TABLES = (
+    ("_forward_pre_hooks", _PRE_KEY, _PRE, ("_forward_pre_hooks_with_kwargs",)),
+    ("_forward_hooks", _POST_KEY, _POST, ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
+)
 
 
 def _has_ours(module: torch.nn.Module) -> bool:
-    return any(h is _PRE for h in module.__dict__.get("_forward_pre_hooks", {}).values())
+    return module.__dict__.get("_forward_pre_hooks", {}).get(_PRE_KEY) is _PRE
+
+
+def _detach(module: torch.nn.Module) -> None:
+    d = module.__dict__
+    for table, key, _, extras in _TABLES:
+        if key in d.get(table, ()):
+            del d[table][key]
+            for extra in extras:
+                d.get(extra, {}).pop(key, None)
+
+
+def _attach(module: torch.nn.Module) -> None:
+    d = module.__dict__
+    for table, key, hook, extras in _TABLES:
+        d[table][key] = hook  # replaces a relic of a pickled copy (a no-op) under the same key
+        for extra in extras:
+            d[extra][key] = True
+    _attached.add(module)
+
+
+_train_code = torch.nn.Module.train.__code__
 
 
 def _script(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -221,15 +226,17 @@ def _script(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
 
 
 def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Hooks go on the module whose eval() the program called, not on each child a parent's train() recurses into:
+    the children's forwards run inside the parent's, where ST003 leaves them alone anyway."""
     result = wrapped(*args, **kwargs)
     try:
-        if (isinstance(instance, torch.nn.Module) and not isinstance(instance, torch.jit.ScriptModule)
-                and not _is_compiling()):
-            if instance.training:
+        if instance.training:
+            if _PRE_KEY in instance.__dict__.get("_forward_pre_hooks", ()):
                 _detach(instance)
                 _attached.discard(instance)
-            else:
-                _attach(instance)
+        elif (sys._getframe(1).f_code is not _train_code and not isinstance(instance, torch.jit.ScriptModule)
+              and not _is_compiling()):
+            _attach(instance)
     except Exception as exc:
         internal_error(CODE, exc)
     return result
@@ -251,16 +258,13 @@ def _restore_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
 
 def _set_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     result = wrapped(*args, **kwargs)
-    instance._safetorch_explicit = _state.explicit
-    # torch itself calls set_grad_enabled(prev) to restore a mode (no_grad.__exit__): that is not the user asking.
-    if not is_internal(sys._getframe(1).f_code):
-        _state.explicit = bool(instance.mode)
+    explicit = _state.explicit
+    instance._safetorch_explicit = explicit
+    # torch itself calls set_grad_enabled(prev) to restore a mode (no_grad.__exit__, optimizer steps): that is not
+    # the program asking. Only a change of the flag needs to look at the caller.
+    if bool(instance.mode) is not explicit and not is_internal(sys._getframe(1).f_code):
+        _state.explicit = not explicit
     return result
-
-
-def _set_enter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    _state.explicit = bool(instance.mode)
-    return wrapped(*args, **kwargs)
 
 
 # --- the backward error -----------------------------------------------------------------------------------------
@@ -276,14 +280,10 @@ def _backward_message(error: BaseException) -> str:
             f"SAFETORCH_IGNORE=ST003.")
 
 
-def _backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    __tracebackhide__ = True  # noqa: F841
-    try:
-        return wrapped(*args, **kwargs)
-    except RuntimeError as error:
-        if _sites and "does not require grad" in str(error) and not isinstance(error, SafetorchError):
-            raise SafetorchError(_backward_message(error), code=CODE) from error
-        raise
+def _backward_error(error: RuntimeError) -> BaseException | None:
+    if _sites and "does not require grad" in str(error):
+        return SafetorchError(_backward_message(error), code=CODE)
+    return None
 
 
 def install(registry: Registry) -> None:
@@ -294,17 +294,16 @@ def install(registry: Registry) -> None:
     registry.wrap(grad_mode.enable_grad, "__enter__", _enable_enter, CODE)
     registry.wrap(grad_mode.enable_grad, "__exit__", _restore_exit, CODE)
     registry.wrap(grad_mode.set_grad_enabled, "__init__", _set_init, CODE)
-    registry.wrap(grad_mode.set_grad_enabled, "__enter__", _set_enter, CODE)
     registry.wrap(grad_mode.set_grad_enabled, "__exit__", _restore_exit, CODE)
     registry.wrap(grad_mode.set_grad_enabled, "__call__", _restore_exit, CODE)
-    registry.wrap(torch.Tensor, "backward", _backward, CODE)
-    registry.wrap(torch.autograd, "backward", _backward, CODE)
+    _backward.listen(CODE, on_error=_backward_error)
 
 
 def uninstall() -> None:
     """Take our hooks off every module we attached them to; hooks on copies we never saw become no-ops."""
     global _enabled
     _enabled = False
+    _backward.unlisten(CODE)
     for module in list(_attached):
         _detach(module)
     _attached.clear()

@@ -1,0 +1,102 @@
+"""A training + validation step with safetorch installed vs. uninstalled, toggled between interleaved rounds.
+
+The loop is *correct* code (``model.train()``, training steps, ``model.eval()``, validation steps under
+``torch.no_grad()``): what is measured is what safetorch costs a program that has nothing to report. Each round
+runs such an epoch with safetorch on and one with it off, in an order that alternates; the overhead is the median
+of the round-by-round ratios, with its spread.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import safetorch
+
+from . import models
+from ._timing import summary
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> Callable[[], float]:
+    """A miniature epoch: ``steps`` training steps, then ``steps`` validation steps under no_grad, as a real loop."""
+    criterion = torch.nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+    def epoch() -> float:
+        model.train()
+        for _ in range(steps):
+            loss = criterion(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(steps):
+                total += criterion(model(x), y).item()
+        return total  # what a loop logs; .item() is also the natural sync point
+
+    return epoch
+
+
+def measure(epoch: Callable[[], Any], device: str, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
+    """µs per step (one training or one validation step), with and without safetorch, rounds interleaved."""
+    for _ in range(warmup):
+        epoch()
+    per: dict[str, list[float]] = {"without": [], "with": []}
+    for r in range(rounds):
+        order = ("with", "without") if r % 2 else ("without", "with")
+        for state in order:
+            (safetorch.install if state == "with" else safetorch.uninstall)()
+            epoch()  # the first epoch after a toggle re-binds caches
+            _sync(device)
+            t0 = time.perf_counter()
+            epoch()
+            _sync(device)
+            per[state].append((time.perf_counter() - t0) / (2 * steps) * 1e6)
+    safetorch.install()
+    ratios = [w / o for w, o in zip(per["with"], per["without"], strict=True)]
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {
+        "without_us": summary(per["without"]),
+        "with_us": summary(per["with"]),
+        "ratio": round(statistics.median(ratios), 4),
+        "overhead_pct": round((statistics.median(ratios) - 1) * 100, 2),
+        "overhead_pct_iqr": [round((q[0] - 1) * 100, 2), round((q[2] - 1) * 100, 2)],
+        "steps_per_sample": 2 * steps,
+        "rounds": rounds,
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    out: dict[str, Any] = {}
+    rounds = 6 if quick else 20
+    cpu = {
+        "cpu small CNN (batch 8, 32x32)": (models.small_cnn(), torch.randn(8, 3, 32, 32), 10, 5 if quick else 20),
+        "cpu tiny MLP (batch 1)": (models.tiny_mlp(), torch.randn(1, 16), 10, 100 if quick else 400),
+    }
+    for label, (model, x, classes, steps) in cpu.items():
+        y = torch.randint(0, classes, (x.shape[0],))
+        out[label] = measure(make_epoch(model, x, y, steps), "cpu", steps, rounds, warmup=1)
+    if torch.cuda.is_available():
+        gpu = {
+            "cuda ResNet-like (batch 64, 32x32)": (models.resnet_like(), torch.randn(64, 3, 32, 32)),
+            "cuda small transformer (batch 64, seq 64)": (models.small_transformer(), torch.randn(64, 64, 256)),
+        }
+        steps = 10 if quick else 50
+        for label, (model, x) in gpu.items():
+            model, x = model.cuda(), x.cuda()
+            model(x)  # materialise lazy layers
+            y = torch.randint(0, 10, (x.shape[0],), device="cuda")
+            out[label] = measure(make_epoch(model, x, y, steps), "cuda", steps, rounds, warmup=2)
+    return out
