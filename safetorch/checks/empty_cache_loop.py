@@ -3,14 +3,14 @@
 Calling it every iteration frees nothing that live tensors hold; it hands cached blocks back to the driver, which
 torch must then allocate again (slower), and it hides the real leak. An occasional call (after a phase, before a
 big allocation) is legitimate, so the rule counts calls per call site and fires once when one line has called it
-`THRESHOLD` times within `WINDOW_S` seconds — a loop, not an epoch boundary.
+`THRESHOLD` times within `WINDOW_S` seconds (counted in windows of `THRESHOLD` calls) — a loop, not an epoch
+boundary.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 from typing import Any
 
 import torch
@@ -23,8 +23,10 @@ CODE = "ST007"
 THRESHOLD = 10
 WINDOW_S = 60.0
 
-_calls: dict[tuple[int, int], deque[float]] = {}
-_codes: list[Any] = []
+# Per call site: [calls in the current window, the window's start, the code object (kept alive, so that its id is
+# not reused)]. Keyed by id(code) + offset: the offset lies inside the code object, so two live code objects never
+# share a key (and the entry's code is checked anyway).
+_calls: dict[int, list[Any]] = {}
 _clock = time.monotonic
 
 MESSAGE = (f"{CODE} torch.cuda.empty_cache() has been called {THRESHOLD} times from this line within "
@@ -34,29 +36,35 @@ MESSAGE = (f"{CODE} torch.cuda.empty_cache() has been called {THRESHOLD} times f
            f"Write: remove the call from the loop")
 
 
-def _empty_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _empty_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 _getframe: Any = sys._getframe) -> Any:
     __tracebackhide__ = True  # noqa: F841
     try:
-        frame = sys._getframe(1)
+        frame = _getframe(1)
         code = frame.f_code
-        key = (id(code), frame.f_lasti)
-        times = _calls.get(key)
-        if times is None:
-            if is_internal(code) or torch.compiler.is_compiling():
-                times = None
-            else:
-                times = _calls[key] = deque(maxlen=THRESHOLD)
-                _codes.append(code)  # keeps the code alive, so that its id is not reused for another
-        if times is not None:
-            now = _clock()
-            times.append(now)
-            if len(times) == THRESHOLD and now - times[0] <= WINDOW_S:
-                report(CODE, frame, MESSAGE)
+        state = _calls.get(id(code) + frame.f_lasti)
+        if state is None or state[2] is not code:
+            state = _new_site(frame)
+        if state is not None:
+            state[0] += 1
+            if state[0] >= THRESHOLD:  # the clock is read only at a window's start and end
+                now = _clock()
+                if now - state[1] <= WINDOW_S:
+                    report(CODE, frame, MESSAGE)
+                state[0], state[1] = 0, now
     except SafetorchError:
         raise
     except Exception as exc:
         internal_error(CODE, exc)
     return wrapped(*args, **kwargs)
+
+
+def _new_site(frame: Any) -> list[Any] | None:
+    code = frame.f_code
+    if is_internal(code) or torch.compiler.is_compiling():
+        return None
+    state = _calls[id(code) + frame.f_lasti] = [0, _clock(), code]
+    return state
 
 
 def install(registry: Registry) -> None:
@@ -66,4 +74,3 @@ def install(registry: Registry) -> None:
 
 def uninstall() -> None:
     _calls.clear()
-    _codes.clear()
