@@ -1,0 +1,53 @@
+"""Threads: train and eval forwards, grad-mode context managers and conversions, 4 threads x hundreds of steps."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from .models import convnet
+
+
+def test_four_threads_of_train_and_eval() -> None:
+    errors: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def worker(kind: int) -> None:
+        torch.manual_seed(kind)
+        model = convnet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(2, 3, 8, 8)
+        barrier.wait()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(150):
+                if (i + kind) % 3 == 0:
+                    model.eval()
+                    out = model(x.double().float())  # eval without no_grad: ST003 runs it under no_grad
+                    if out.requires_grad:
+                        errors.append("eval forward kept a graph")
+                    with torch.no_grad():
+                        model(x)
+                    with torch.enable_grad():
+                        if not model(x).requires_grad:
+                            errors.append("enable_grad lost")
+                else:
+                    model.train()
+                    loss = model(x.contiguous()).sum()
+                    opt.zero_grad()
+                    loss.backward()
+                    opt.step()
+                    if not all(p.grad is not None for p in model.parameters() if p.requires_grad):
+                        errors.append("training step lost gradients")
+                if not torch.is_grad_enabled():
+                    errors.append("grad mode left off")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert torch.is_grad_enabled()
