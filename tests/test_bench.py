@@ -1,0 +1,38 @@
+"""`python -m bench --quick` runs and its output has the structure the README's figures come from.
+
+Timings do not belong in pass/fail tests: only the structure, and what is exact (bytes, counts), is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from .conftest import ROOT
+
+
+def test_quick_bench_runs_and_writes_every_measurement(tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(tmp_path, "bench.json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--json", out], capture_output=True, text=True,
+                          cwd=ROOT, env={**env, "SAFETORCH_REPORT": "0"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "| API | bare | safetorch | wrapt pass-through | closure |" in proc.stdout
+    with open(out) as fh:
+        data = json.load(fh)
+    assert {"cpu", "gpu", "torch", "python", "wrapt", "wrapt_c_extension"} <= data["machine"].keys()
+    assert data["machine"]["wrapt_c_extension"] is True
+    assert len(data["percall"]) >= 13
+    for row in data["percall"].values():
+        for variant in ("bare", "safetorch", "wrapt", "closure"):
+            assert row[variant]["samples"] and row[variant]["median"] > 0
+        assert row["ratio_vs_wrapt"] > 0
+    for loop in data["endtoend"].values():
+        assert len(loop["with_us"]["samples"]) == len(loop["without_us"]["samples"]) == loop["rounds"]
+    memory = data["memory"]
+    assert memory["validation_with"]["bytes"] == 0 < memory["validation_without"]["bytes"]
+    assert memory["training_identical"] is True
+    assert data["startup"]["disabled"] == {"patched_attributes": 0, "namespaces_identical": True, "checks": []}
+    assert data["startup"]["import_ms"]["median"] > 0
