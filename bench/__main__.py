@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import wrapt
 
+from safetorch._patch import wrapt_c_extension
+
 from . import endtoend, memory, percall, startup
 
 
@@ -29,8 +31,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "wrapt": wrapt.__version__,
-        "wrapt_c_extension": type(wrapt.FunctionWrapper).__module__ == "builtins"
-        or wrapt.FunctionWrapper.__module__ == "builtins",
+        "wrapt_c_extension": wrapt_c_extension(),
     }
 
 

@@ -11,12 +11,13 @@ import atexit
 import importlib
 import sys
 import threading
+import warnings
 from collections.abc import Iterable
 from types import ModuleType, TracebackType
 
 from . import _config, _report
-from ._exceptions import SafetorchError
-from ._patch import registry
+from ._exceptions import SafetorchConfigWarning, SafetorchError
+from ._patch import registry, wrapt_c_extension
 
 __all__ = ["CHECKS", "install", "installed_checks", "uninstall"]
 
@@ -70,7 +71,7 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
                     exc.add_note(note)
     except Exception:
         pass
-    sys.__excepthook__(exc_type, exc, tb) if _original_excepthook is None else _original_excepthook(exc_type, exc, tb)
+    (_original_excepthook or sys.__excepthook__)(exc_type, exc, tb)
 
 
 _original_excepthook = None
@@ -100,6 +101,10 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
                 _teardown(code)
                 _report.internal_error(code, exc)
         if _CORE not in registry.groups():
+            if not wrapt_c_extension():
+                warnings.warn("safetorch: wrapt's C extension is not in use (WRAPT_DISABLE_EXTENSIONS, or a build "
+                              "without it): findings cannot be attributed to your lines. Reinstall wrapt with its "
+                              "C extension.", SafetorchConfigWarning, stacklevel=2)
             _original_excepthook = sys.excepthook
             registry.set(sys, "excepthook", _excepthook, _CORE)
         if not _atexit_registered:

@@ -23,7 +23,7 @@ from typing import Any
 
 import wrapt
 
-__all__ = ["Registry", "is_patch", "registry"]
+__all__ = ["Registry", "is_patch", "registry", "wrapt_c_extension"]
 
 _MISSING = object()
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -90,6 +90,13 @@ class Patch(wrapt.FunctionWrapper):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Patch:
         return self
+
+
+def wrapt_c_extension() -> bool:
+    """True when wrapt's C extension is in use. The checks read their caller as ``sys._getframe(1)``: with the pure
+    Python wrapt, wrapt's own frames sit in between and findings would be attributed to wrapt, hence dropped."""
+    call = next((k.__dict__["__call__"] for k in wrapt.FunctionWrapper.__mro__ if "__call__" in k.__dict__), None)
+    return not isinstance(call, types.FunctionType)
 
 
 def is_patch(obj: object) -> bool:

@@ -181,3 +181,12 @@ def test_two_groups_layer_on_one_attribute_and_restore_in_any_order() -> None:
         assert Owner().method() == [second, "original"]
         reg.restore(second)
         assert Owner.__dict__["method"] is original
+
+
+def test_wrapt_c_extension_is_in_use_and_its_absence_is_said() -> None:
+    from safetorch._patch import wrapt_c_extension
+
+    assert wrapt_c_extension()
+    proc = run_python("import warnings, torch, safetorch", env={"WRAPT_DISABLE_EXTENSIONS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "wrapt's C extension is not in use" in proc.stderr
