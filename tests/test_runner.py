@@ -192,6 +192,8 @@ DDP_SCRIPT = textwrap.dedent("""\
     if rank == 1:
         loss = loss * float("nan")
     loss.backward()
+    model.eval()
+    print(f"rank {rank} eval output requires grad: {model(x).requires_grad}")
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -210,3 +212,5 @@ def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
     assert out.count("DiscardedConversionWarning: ST001 x.double()") == 1
     assert out.count("NonFiniteLossWarning: ST006 [rank 1] loss is nan") == 1
     assert "[rank 0]" not in out
+    assert out.count("EvalModeGradWarning: ST003 model (DistributedDataParallel)") == 1  # DDP in eval mode
+    assert proc.stdout.count("eval output requires grad: False") == 2

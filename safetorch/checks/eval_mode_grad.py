@@ -200,7 +200,7 @@ def _attach(module: torch.nn.Module) -> None:
     for table, key, hook, extras in _TABLES:
         d[table][key] = hook  # replaces a relic of a pickled copy (a no-op) under the same key
         for extra in extras:
-            d[extra][key] = True
+            d.setdefault(extra, {})[key] = True  # a torch without the table simply ignores it
     _attached.add(module)
 
 
