@@ -48,15 +48,16 @@ def make_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: 
     return epoch
 
 
-def measure(epoch: Callable[[], Any], device: str, steps: int, rounds: int, warmup: int) -> dict[str, Any]:
-    """µs per step (one training or one validation step), with and without safetorch, rounds interleaved."""
+def measure(epoch: Callable[[], Any], device: str, steps: int, rounds: int, warmup: int,
+            on: Callable[[], None] = safetorch.install) -> dict[str, Any]:
+    """µs per step (one training or one validation step), with (``on``) and without safetorch, rounds interleaved."""
     for _ in range(warmup):
         epoch()
     per: dict[str, list[float]] = {"without": [], "with": []}
     for r in range(rounds):
         order = ("with", "without") if r % 2 else ("without", "with")
         for state in order:
-            (safetorch.install if state == "with" else safetorch.uninstall)()
+            (on if state == "with" else safetorch.uninstall)()
             epoch()  # the first epoch after a toggle re-binds caches
             _sync(device)
             t0 = time.perf_counter()
@@ -99,4 +100,11 @@ def run(quick: bool) -> dict[str, Any]:
             model(x)  # materialise lazy layers
             y = torch.randint(0, 10, (x.shape[0],), device="cuda")
             out[label] = measure(make_epoch(model, x, y, steps), "cuda", steps, rounds, warmup=2)
+        # ST006 alone on a GPU step: its device-side check, with no host synchronisation.
+        model, x = models.resnet_like().cuda(), torch.randn(64, 3, 32, 32, device="cuda")
+        y = torch.randint(0, 10, (64,), device="cuda")
+        others = [code for code in safetorch.RULES if code != "ST006"]
+        out["cuda ResNet-like, ST006 alone"] = measure(make_epoch(model, x, y, steps), "cuda", steps, rounds,
+                                                       warmup=2, on=lambda: safetorch.install(ignore=others))
+        safetorch.install(ignore=())
     return out
