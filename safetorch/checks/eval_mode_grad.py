@@ -11,9 +11,10 @@ lists/tuples/dicts); some parameter of ``m`` requires grad.
 
 Design rules:
 - No global module hooks (they switch off torch's fast path in ``Module.__call__`` for every module):
-  ``Module.train`` is wrapped, and a module that goes to eval mode gets one forward pre-hook and one always-called
-  forward hook, removed again when it goes back to training. Modules never put in eval mode pay nothing.
-- Hooks are found by identity in the module's hook dictionaries, so deep copies and unpickled modules are handled
+  ``Module.train`` is wrapped, and the module the program puts in eval mode gets one forward pre-hook and one
+  always-called forward hook, removed again when it goes back to training. Modules never put in eval mode pay
+  nothing; neither do the children a parent's ``train()`` recurses into (their forwards run inside the parent's).
+- The hooks sit under fixed keys of the module's hook dictionaries, so deep copies and unpickled modules are handled
   as well as the original, and toggling eval/train never grows those dictionaries.
 - The hook objects pickle as ``None.__init__``, a built-in no-op that accepts any arguments: a model saved with
   safetorch installed loads where safetorch is not. They deep-copy as themselves.
