@@ -355,3 +355,20 @@ def test_torch_compile_sees_no_new_graph_break() -> None:
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         assert torch.allclose(compiled(x), model(x))
+
+
+def test_an_interrupted_eval_forward_is_healed_by_train() -> None:
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyboardInterrupt  # the user presses Ctrl-C during validation
+
+    model = Slow().eval()
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.ones(1, 2))
+    model.train()
+    assert torch.is_grad_enabled()
+    assert model.lin(torch.ones(1, 2)).requires_grad

@@ -235,6 +235,11 @@ def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
             if _PRE_KEY in instance.__dict__.get("_forward_pre_hooks", ()):
                 _detach(instance)
                 _attached.discard(instance)
+            if any(m is instance for m in _state.active):
+                # A KeyboardInterrupt inside our no_grad forward skips the always-called hook (torch calls it for
+                # Exception only): heal when the program goes back to training, e.g. in the next notebook cell.
+                _state.active = [m for m in _state.active if m is not instance]
+                _set_grad_enabled(True)
         elif (sys._getframe(1).f_code is not _train_code and not isinstance(instance, torch.jit.ScriptModule)
               and not _is_compiling()):
             _attach(instance)
