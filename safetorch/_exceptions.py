@@ -89,3 +89,12 @@ class SafetorchInternalWarning(RuntimeWarning):
 
 class SafetorchConfigWarning(UserWarning):
     """An environment variable of safetorch could not be understood and was ignored."""
+
+
+# Shown as safetorch.SafetorchError (not safetorch._exceptions.SafetorchError) in tracebacks and warnings; pickles
+# by that name too, which the package exports.
+for _cls in (SafetorchWarning, DiscardedConversionWarning, LegacyReductionWarning, EvalModeGradWarning,
+             GraphAccumulationWarning, VolatileVariableWarning, NonFiniteLossWarning, EmptyCacheLoopWarning,
+             SafetorchError, SafetorchInternalWarning, SafetorchConfigWarning):
+    _cls.__module__ = "safetorch"
+del _cls

@@ -27,7 +27,7 @@ def test_strict_traceback_ends_on_the_users_line(tmp_path: os.PathLike[str]) -> 
                       env={"SAFETORCH_STRICT": "1"})
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("safetorch._exceptions.SafetorchError: ST001 x.double() returns a copy")
+    assert lines[-1].startswith("safetorch.SafetorchError: ST001 x.double() returns a copy")
     frames = [ln for ln in lines if ln.startswith('  File "')]
     assert frames[-1] == f'  File "{script}", line 5, in <module>'
     assert "done" not in proc.stdout

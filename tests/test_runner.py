@@ -72,7 +72,7 @@ def test_strict_stops_on_the_first_finding(script: str, tmp_path: str) -> None:
     assert proc.returncode == 1
     assert "main block" not in proc.stdout
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("safetorch._exceptions.SafetorchError: ST001 x.double() returns a copy")
+    assert lines[-1].startswith("safetorch.SafetorchError: ST001 x.double() returns a copy")
     assert [ln for ln in lines if ln.startswith('  File "')][-1] == f'  File "{script}", line 5, in <module>'
 
 
