@@ -130,8 +130,8 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         lineno,
         module=module_globals.get("__name__"),
         registry=module_globals.setdefault("__warningregistry__", {}),
-        # Globals only serve to find source that is not on disk; a runpy'd module's loader refuses "__main__".
-        module_globals=None if os.path.exists(filename) else module_globals,
+        # No module_globals, as warnings.warn itself does: the loader lookup they trigger raises for `python -c`
+        # ("'__main__' is not a built-in module") and for runpy'd modules; linecache finds files and notebook cells.
     )
 
 

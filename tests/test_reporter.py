@@ -88,3 +88,18 @@ def test_internal_failure_leaves_the_programs_output_unchanged(tmp_path: os.Path
     assert broken.stdout == plain.stdout and plain.stdout.count("\n") == 5
     assert broken.stderr.count("SafetorchInternalWarning") == 1
     assert "check ST001 failed internally (RuntimeError: injected)" in broken.stderr
+
+
+def test_no_exit_summary_in_an_interactive_session() -> None:
+    import subprocess
+    import sys
+
+    from .conftest import ROOT
+
+    code = "import torch, safetorch\nx = torch.ones(2)\nx.double()\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run([sys.executable, "-i", "-c", code], input="", capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert "DiscardedConversionWarning: ST001" in proc.stderr  # the finding itself is shown
+    assert "finding(s)" not in proc.stderr  # but no summary when the session is interactive
