@@ -1,4 +1,5 @@
-"""ST004: `total += loss` into a Python number; ordinary arithmetic that only looks similar stays silent."""
+"""ST004: `total += loss` into a Python number; ordinary arithmetic and per-step sums that only look similar stay
+silent."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ def make_loss() -> torch.Tensor:
     return (w * 2).sum()
 
 
-def test_plus_equals_warns_at_this_line_with_the_fix() -> None:
-    loss = make_loss()
+def test_plus_equals_after_backward_warns_at_this_line_with_the_fix() -> None:
     total_loss = 0.0
     with findings() as got:
         for _ in range(3):
+            loss = make_loss()
+            loss.backward()
             total_loss += loss; line = lineno()  # noqa: E702
     assert [(w.category, w.filename, w.lineno) for w in got] == [(GraphAccumulationWarning, __file__, line)]
     message = str(got[0].message)
@@ -31,11 +33,25 @@ def test_plus_equals_warns_at_this_line_with_the_fix() -> None:
 
 def test_same_name_stored_back_warns() -> None:
     loss = make_loss()
+    loss.backward()
     acc = 0
     with findings() as got:
-        acc = acc + loss * 2; line = lineno()  # noqa: E702
+        acc = acc + loss; line = lineno()  # noqa: E702
     assert [w.lineno for w in got] == [line]
-    assert str(got[0].message).endswith("Write: acc = acc + (loss * 2).item()")
+    assert str(got[0].message).endswith("Write: acc = acc + loss.item()")
+
+
+def test_accumulating_before_backward_is_found_once_it_outlives_a_step() -> None:
+    total = 0.0
+    with findings() as got:
+        for step in range(3):
+            loss = make_loss()
+            total += loss * 2; line = lineno()  # noqa: E702
+            loss.backward()
+            if step == 0:
+                assert got == []  # one backward: it could still be this step's own term
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(GraphAccumulationWarning, __file__, line)]
+    assert str(got[0].message).endswith("Write: total += (loss * 2).item()")
 
 
 def test_attribute_target_and_vector_value() -> None:
@@ -44,14 +60,33 @@ def test_attribute_target_and_vector_value() -> None:
 
     meter = Meter()
     w = torch.randn(3, requires_grad=True)
+    v = w * 2
+    v.backward(torch.ones(3))
     with findings() as got:
-        meter.total += w
-    assert str(got[0].message).endswith("Write: meter.total += w.detach()")
+        meter.total += v
+    assert str(got[0].message).endswith("Write: meter.total += v.detach()")
+
+
+def test_a_regularisation_term_built_each_step_is_silent() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with findings() as got:
+        for _ in range(5):
+            l2 = 0.0
+            for p in model.parameters():
+                l2 += p.norm()
+            loss = model(torch.randn(8, 4)).pow(2).mean() + 1e-3 * l2
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert got == []
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_look_alikes_are_silent() -> None:
     w = torch.randn(3, requires_grad=True)
     loss = (w * 2).sum()
+    loss.backward(retain_graph=True)
     acc = 0.0
     other = 0.0
     with findings() as got:
@@ -66,6 +101,8 @@ def test_look_alikes_are_silent() -> None:
         t += torch.ones(2)  # no graph
         u = torch.zeros(())
         u += loss  # a tensor on the left: Tensor.__iadd__, not a Python number
+        (y.sum() + scale.sum()).backward()
+        (w * 3).sum().backward()
     assert got == []
     assert all(v is not None for v in (y, scale, z, s, t, u))
 
@@ -74,7 +111,9 @@ def test_in_a_function_and_once_per_site() -> None:
     def epoch() -> torch.Tensor:
         total = 0.0
         for _ in range(4):
-            total += make_loss()
+            loss = make_loss()
+            loss.backward()
+            total += loss
         return total  # type: ignore[return-value]
 
     with findings() as got:
@@ -86,6 +125,7 @@ def test_in_a_function_and_once_per_site() -> None:
 def test_strict_mode_raises_on_this_line() -> None:
     safetorch.install(strict=True)
     loss = make_loss()
+    loss.backward()
     total = 0.0
     line = lineno() + 2
     with pytest.raises(SafetorchError) as info:

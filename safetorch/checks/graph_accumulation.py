@@ -5,21 +5,29 @@ step it has summed: memory grows every step. Python calls ``Tensor.__radd__`` on
 tensor, so ordinary tensor arithmetic never reaches this wrapper; for a number on the left it asks the call-site
 reader whether the instruction is ``acc += x`` or ``acc = acc + x`` (the same name stored back). Look-alikes such as
 ``y = 1 + w`` or ``scale = 0.5 + w * 2`` are not accumulations and stay silent.
+
+An accumulation into a number is also how a regularisation term is built (``l2 = 0.0; for p in params: l2 +=
+p.norm()``), which is legitimate: it is part of this step's loss. So the finding is made at once only for a tensor
+a backward() has already started from (``loss.backward(); total_loss += loss``); otherwise the accumulator is
+watched, and reported at its line once it has outlived two backwards — when it sums across steps.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+import weakref
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
 
+from .. import _backward
 from .._callsite import accumulates, call_source
 from .._exceptions import SafetorchError
 from .._patch import Registry
-from .._report import internal_error, is_internal, report
+from .._report import internal_error, is_internal, report, report_at
 
 CODE = "ST004"
 
@@ -52,6 +60,31 @@ def _message(frame: FrameType, value: torch.Tensor) -> str:
             f"Write: {target} {op} {shown}{fix}")
 
 
+# Tensors a backward() has started from, by id (a WeakSet would compare tensors with ==): the entry goes with the
+# tensor. Accumulating one of them into a number is the pitfall for certain: its step is over.
+_backwarded: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+@dataclass
+class _Watch:
+    """An accumulator made from a tensor no backward() had used yet: a finding once it outlives two backwards."""
+
+    result: weakref.ref[torch.Tensor]
+    filename: str
+    lineno: int
+    module_globals: dict[str, Any]
+    message: str
+    backwards: int = 0
+
+
+_watches: dict[tuple[str, int], _Watch] = {}
+
+
+def _was_backwarded(t: torch.Tensor) -> bool:
+    ref = _backwarded.get(id(t))
+    return ref is not None and ref() is t
+
+
 def _radd(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
           _getframe: Any = sys._getframe) -> Any:
     __tracebackhide__ = True  # noqa: F841
@@ -61,7 +94,10 @@ def _radd(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
                 and not isinstance(args[0], bool)):
             frame = _getframe(1)
             if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
-                report(CODE, frame, lambda: _message(frame, instance))
+                if _was_backwarded(instance):
+                    report(CODE, frame, lambda: _message(frame, instance))
+                else:
+                    _watch(frame, instance, result)
     except SafetorchError:
         raise
     except Exception as exc:
@@ -69,5 +105,43 @@ def _radd(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     return result
 
 
+def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
+    """``l2 = 0.0; for p in params: l2 += p.norm()`` builds a term of this step's loss: legitimate. The pitfall's
+    accumulator instead outlives the steps it sums. Watch the result and decide at the coming backwards."""
+    key = (frame.f_code.co_filename, frame.f_lineno)
+    known = _watches.get(key)
+    if isinstance(result, torch.Tensor) and (known is None or known.result() is None):
+        _watches[key] = _Watch(weakref.ref(result), key[0], key[1], frame.f_globals, _message(frame, value))
+
+
+def _before_backward(tensors: Any, caller: FrameType) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        for t in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
+            if isinstance(t, torch.Tensor):
+                key = id(t)
+                _backwarded[key] = weakref.ref(t, lambda _, key=key: _backwarded.pop(key, None))
+        if _watches:
+            for key, watch in list(_watches.items()):
+                if watch.result() is None:
+                    del _watches[key]
+                    continue
+                watch.backwards += 1
+                if watch.backwards >= 2:  # it has outlived a whole step: it accumulates across steps
+                    del _watches[key]
+                    report_at(CODE, watch.filename, watch.lineno, watch.module_globals, watch.message)
+    except SafetorchError:
+        raise
+    except Exception as exc:
+        internal_error(CODE, exc)
+
+
 def install(registry: Registry) -> None:
     registry.wrap(torch.Tensor, "__radd__", _radd, CODE)
+    _backward.listen(CODE, before=_before_backward)
+
+
+def uninstall() -> None:
+    _backward.unlisten(CODE)
+    _backwarded.clear()
+    _watches.clear()
