@@ -20,7 +20,7 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["accumulates", "call_source", "is_discarded", "method_call", "source_line"]
+__all__ = ["accumulates", "call_source", "callee", "is_discarded", "method_call", "source_line"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
 _NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
@@ -176,6 +176,24 @@ def _simple_chain(node: ast.AST) -> bool:
     return isinstance(node, ast.Name)
 
 
+def _call_node(frame: FrameType) -> ast.Call | None:
+    """The call expression the frame is executing, parsed from its source (the whole line before 3.11)."""
+    text = call_source(frame)
+    if text is None:
+        text = source_line(frame)
+    try:
+        node: Any = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    return node if isinstance(node, ast.Call) else None
+
+
+def callee(frame: FrameType) -> str | None:
+    """The source of what the frame is calling (``model`` in ``score = model(x)``), or None."""
+    node = _call_node(frame)
+    return ast.unparse(node.func) if node is not None else None
+
+
 def method_call(frame: FrameType, method: str, nargs: int) -> tuple[str | None, str | None]:
     """For a call ``<receiver>.<method>(...)`` at the frame's current instruction, return (receiver, call text).
 
@@ -183,15 +201,9 @@ def method_call(frame: FrameType, method: str, nargs: int) -> tuple[str | None, 
     the class (``torch.Tensor.float(x)``, one more positional argument than ``nargs``) names its first argument.
     Either is None when the source cannot be read.
     """
-    text = call_source(frame)
-    if text is None:
-        text = source_line(frame)
-    try:
-        node: Any = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        return None, None
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method):
+    node = _call_node(frame)
+    if node is None or not (isinstance(node.func, ast.Attribute) and node.func.attr == method):
         return None, None
     target = node.args[0] if len(node.args) == nargs + 1 else node.func.value
     receiver = ast.unparse(target) if _simple_chain(target) else None
-    return receiver, " ".join(text.split())
+    return receiver, " ".join((call_source(frame) or source_line(frame)).split())

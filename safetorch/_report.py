@@ -136,7 +136,14 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
 
 
 def internal_error(code: str, exc: BaseException) -> None:
-    """A check failed: say so once per check and carry on; the user's program must not notice."""
+    """A check failed: say so once per check and carry on; the user's program must not notice.
+
+    Every check guards its own logic with ``except Exception as exc: internal_error(CODE, exc)``. A
+    `SafetorchError` is a strict-mode finding, not a failure: it is raised again, so that it reaches the user.
+    """
+    __tracebackhide__ = True  # noqa: F841
+    if isinstance(exc, SafetorchError):
+        raise exc
     if code in _internal_reported:
         return
     _internal_reported.add(code)

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from .._callsite import is_discarded, method_call
-from .._exceptions import SafetorchError
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -56,9 +55,7 @@ def _wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[st
                 and not is_internal(frame.f_code):
             method = wrapped.__name__
             report(CODE, frame, lambda: _message(frame, method, len(args)))
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
     return result
 

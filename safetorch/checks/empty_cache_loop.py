@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from .._exceptions import SafetorchError
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -52,9 +51,7 @@ def _empty_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
                 if now - state[1] <= WINDOW_S:
                     report(CODE, frame, MESSAGE)
                 state[0], state[1] = 0, now
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
     return wrapped(*args, **kwargs)
 

@@ -25,7 +25,6 @@ Design rules:
 
 from __future__ import annotations
 
-import ast
 import sys
 import threading
 import weakref
@@ -37,7 +36,7 @@ import torch
 from torch.autograd import grad_mode
 
 from .. import _backward
-from .._callsite import call_source
+from .._callsite import callee
 from .._exceptions import SafetorchError
 from .._patch import Registry
 from .._report import internal_error, is_internal, report, user_frame
@@ -109,19 +108,8 @@ def _nested(frame: FrameType | None) -> bool:
     return False
 
 
-def _callee_name(frame: FrameType) -> str | None:
-    text = call_source(frame)
-    if text is None:
-        return None
-    try:
-        node = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        return None
-    return ast.unparse(node.func) if isinstance(node, ast.Call) else None
-
-
 def _message(frame: FrameType, module: torch.nn.Module) -> str:
-    name = _callee_name(frame) or "model"
+    name = callee(frame) or "model"
     kind = type(module).__name__
     _sites[(frame.f_code.co_filename, frame.f_lineno)] = _NoGradSite(name, kind, frame.f_code.co_filename,
                                                                       frame.f_lineno)
@@ -151,9 +139,7 @@ class _PreHook(_Hook):
             report(CODE, caller, lambda: _message(caller, module))
             _set_grad_enabled(False)
             _state.active.append(module)
-        except SafetorchError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # strict-mode findings pass through internal_error
             internal_error(CODE, exc)
         return None
 

@@ -25,7 +25,6 @@ import torch
 
 from .. import _backward
 from .._callsite import accumulates, call_source
-from .._exceptions import SafetorchError
 from .._patch import Registry
 from .._report import internal_error, is_internal, report, report_at
 
@@ -98,9 +97,7 @@ def _radd(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
                     report(CODE, frame, lambda: _message(frame, instance))
                 else:
                     _watch(frame, instance, result)
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
     return result
 
@@ -130,9 +127,7 @@ def _before_backward(tensors: Any, caller: FrameType) -> None:
                 if watch.backwards >= 2:  # it has outlived a whole step: it accumulates across steps
                     del _watches[key]
                     report_at(CODE, watch.filename, watch.lineno, watch.module_globals, watch.message)
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
 

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.nn.modules import loss as _loss
 
-from .._exceptions import SafetorchError
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -107,9 +106,7 @@ def _legacy_get_string(wrapped: Any, instance: Any, args: tuple[Any, ...], kwarg
         caller = sys._getframe(1)
         explicit = caller.f_locals.get("reduction")
         _found(lambda api: _legacy_message(size_average, reduce, new, explicit, api))
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
         return wrapped(*args, **kwargs)
     return new
@@ -125,9 +122,7 @@ def _get_enum(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
         try:
             _found(_elementwise_mean_message)
             return wrapped("mean")
-        except SafetorchError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # strict-mode findings pass through internal_error
             internal_error(CODE, exc)
     return wrapped(*args, **kwargs)
 
@@ -142,9 +137,7 @@ def _loss_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
             if size_average is None and reduce is None:  # otherwise legacy_get_string decides and reports
                 _found(_elementwise_mean_message, _module_label(instance))
                 args, kwargs = args[:2], {**kwargs, "reduction": "mean"}
-        except SafetorchError:
-            raise
-        except Exception as exc:
+        except Exception as exc:  # strict-mode findings pass through internal_error
             internal_error(CODE, exc)
     return wrapped(*args, **kwargs)
 

@@ -21,7 +21,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _backward
 from .._callsite import method_call
-from .._exceptions import SafetorchError
 from .._patch import Registry
 from .._report import internal_error, report, report_at
 
@@ -132,18 +131,14 @@ def _before_backward(tensors: Any, caller: FrameType) -> None:
         if _pending:
             poll()
         _check(tensors, caller)
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
 
 def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     try:
         poll()
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from .._exceptions import SafetorchError
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -36,9 +35,7 @@ def _call(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
                 kwargs = {k: v for k, v in kwargs.items() if k != "volatile"}
                 args = args[:_VOLATILE_POSITION] + (False,) + args[_VOLATILE_POSITION + 1:] \
                     if len(args) > _VOLATILE_POSITION else args
-    except SafetorchError:
-        raise
-    except Exception as exc:
+    except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
     return wrapped(*args, **kwargs)
 
