@@ -14,6 +14,12 @@ Design rules:
   ``Module.train`` is wrapped, and the module the program puts in eval mode gets one forward pre-hook and one
   always-called forward hook, removed again when it goes back to training. Modules never put in eval mode pay
   nothing; neither do the children a parent's ``train()`` recurses into (their forwards run inside the parent's).
+- While grad mode is off in the program's only thread (a validation loop under ``torch.no_grad()``), no forward can
+  need the check, so the hooks are parked: taken off the modules and put back when grad mode comes on again. The
+  wrappers that track explicit grad mode see every such change made through torch's Python API, so a validation
+  forward under no_grad takes torch's fast path and pays nothing. With more than one thread the hooks stay on (grad
+  mode is per thread); a change made through ``torch._C`` directly or by ``inference_mode`` is not seen, and leaves
+  the hooks as they were.
 - The hooks sit under fixed keys of the module's hook dictionaries, so deep copies and unpickled modules are handled
   as well as the original, and toggling eval/train never grows those dictionaries.
 - The hook objects pickle as ``None.__init__``, a built-in no-op that accepts any arguments: a model saved with
@@ -25,6 +31,7 @@ Design rules:
 
 from __future__ import annotations
 
+import _thread
 import sys
 import threading
 import weakref
@@ -59,7 +66,10 @@ class _State(threading.local):
 
 _state = _State()
 _enabled = False
-_attached: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+#: The modules the program put in eval mode, by id (they carry our hooks unless parked).
+_wanted: dict[int, weakref.ref[torch.nn.Module]] = {}
+_parked = False
+_other_threads = getattr(_thread, "_count", lambda: threading.active_count() - 1)
 
 
 @dataclass
@@ -188,7 +198,41 @@ def _attach(module: torch.nn.Module) -> None:
         d[table][key] = hook  # replaces a relic of a pickled copy (a no-op) under the same key
         for extra in extras:
             d.setdefault(extra, {})[key] = True  # a torch without the table simply ignores it
-    _attached.add(module)
+
+
+def _should_park() -> bool:
+    """Grad mode is off in the only thread and no forward of ours is running (its post hook must stay)."""
+    return not _is_grad_enabled() and not _state.active and _other_threads() == 0
+
+
+def _apply(park: bool) -> None:
+    global _parked
+    _parked = park
+    for ref in list(_wanted.values()):
+        module = ref()
+        if module is not None:
+            (_detach if park else _attach)(module)
+
+
+def _repark() -> None:
+    """After a change of grad mode: park or unpark the hooks when the answer changed. Called only while `_wanted`."""
+    try:
+        park = _should_park()
+        if park is not _parked:
+            _apply(park)
+    except Exception as exc:
+        internal_error(CODE, exc)
+
+
+def _want(module: torch.nn.Module) -> None:
+    key = id(module)
+    _wanted[key] = weakref.ref(module, lambda _, key=key: _wanted.pop(key, None))
+    _apply(_should_park())
+
+
+def _unwant(module: torch.nn.Module) -> None:
+    _wanted.pop(id(module), None)
+    _detach(module)
 
 
 _train_code = torch.nn.Module.train.__code__
@@ -208,8 +252,9 @@ def _script(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
     try:
         return wrapped(*args, **kwargs)
     finally:
-        for m in hidden:
-            _attach(m)
+        if not _parked:
+            for m in hidden:
+                _attach(m)
 
 
 def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -218,9 +263,8 @@ def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
     result = wrapped(*args, **kwargs)
     try:
         if instance.training:
-            if _PRE_KEY in instance.__dict__.get("_forward_pre_hooks", ()):
-                _detach(instance)
-                _attached.discard(instance)
+            if id(instance) in _wanted or _PRE_KEY in instance.__dict__.get("_forward_pre_hooks", ()):
+                _unwant(instance)
             if any(m is instance for m in _state.active):
                 # A KeyboardInterrupt inside our no_grad forward skips the always-called hook (torch calls it for
                 # Exception only): heal when the program goes back to training, e.g. in the next notebook cell.
@@ -228,7 +272,7 @@ def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
                 _set_grad_enabled(True)
         elif (sys._getframe(1).f_code is not _train_code and not isinstance(instance, torch.jit.ScriptModule)
               and not _is_compiling()):
-            _attach(instance)
+            _want(instance)
     except Exception as exc:
         internal_error(CODE, exc)
     return result
@@ -240,12 +284,18 @@ def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str,
 def _enable_enter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     instance._safetorch_explicit = _state.explicit
     _state.explicit = True
-    return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if _wanted:
+        _repark()
+    return result
 
 
 def _restore_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     _state.explicit = getattr(instance, "_safetorch_explicit", False)
-    return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if _wanted:
+        _repark()
+    return result
 
 
 def _set_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -256,6 +306,8 @@ def _set_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
     # the program asking. Only a change of the flag needs to look at the caller.
     if bool(instance.mode) is not explicit and not is_internal(sys._getframe(1).f_code):
         _state.explicit = not explicit
+    if _wanted:
+        _repark()
     return result
 
 
@@ -293,9 +345,12 @@ def install(registry: Registry) -> None:
 
 def uninstall() -> None:
     """Take our hooks off every module we attached them to; hooks on copies we never saw become no-ops."""
-    global _enabled
+    global _enabled, _parked
     _enabled = False
     _backward.unlisten(CODE)
-    for module in list(_attached):
-        _detach(module)
-    _attached.clear()
+    for ref in list(_wanted.values()):
+        module = ref()
+        if module is not None:
+            _detach(module)
+    _wanted.clear()
+    _parked = False
