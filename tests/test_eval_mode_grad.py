@@ -372,3 +372,117 @@ def test_an_interrupted_eval_forward_is_healed_by_train() -> None:
     model.train()
     assert torch.is_grad_enabled()
     assert model.lin(torch.ones(1, 2)).requires_grad
+
+
+def _hooked(model: nn.Module) -> bool:
+    from safetorch.checks.eval_mode_grad import _has_ours
+
+    return _has_ours(model)
+
+
+def test_validation_under_no_grad_takes_torchs_fast_path() -> None:
+    """Under no_grad in the only thread the hooks are parked: a validation forward pays nothing for ST003."""
+    model = convnet().eval()
+    assert _hooked(model)
+    with torch.no_grad():
+        assert not _hooked(model) and not model._forward_pre_hooks and not model._forward_hooks
+        model(torch.randn(1, 3, 8, 8))
+    assert _hooked(model)
+    with findings() as got:
+        out = model(torch.randn(1, 3, 8, 8)); line = lineno()  # noqa: E702
+    assert not out.requires_grad
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
+
+
+def test_eval_called_under_no_grad_is_checked_once_grad_is_back() -> None:
+    model = convnet()
+    with torch.no_grad():
+        model.eval()
+        assert not _hooked(model)
+    with findings() as got:
+        out = model(torch.randn(1, 3, 8, 8)); line = lineno()  # noqa: E702
+    assert not out.requires_grad and torch.is_grad_enabled()
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
+
+
+@pytest.mark.parametrize("switch_off", ["no_grad", "set_grad_enabled", "decorator"])
+def test_every_python_way_of_switching_grad_off_and_on_parks_and_unparks(switch_off: str) -> None:
+    model = convnet().eval()
+    seen: list[bool] = []
+
+    @torch.no_grad()
+    def decorated() -> None:
+        seen.append(_hooked(model))
+
+    if switch_off == "no_grad":
+        with torch.no_grad():
+            seen.append(_hooked(model))
+    elif switch_off == "set_grad_enabled":
+        with torch.set_grad_enabled(False):
+            seen.append(_hooked(model))
+            with torch.enable_grad():
+                seen.append(_hooked(model))
+            seen.append(_hooked(model))
+        torch.set_grad_enabled(False)
+        seen.append(_hooked(model))
+        torch.set_grad_enabled(True)
+        from safetorch.checks import eval_mode_grad
+
+        eval_mode_grad._state.explicit = False  # the function form opted the runner's thread out: undo that
+    else:
+        decorated()
+    seen.append(_hooked(model))
+    expected = {"no_grad": [False, True], "set_grad_enabled": [False, True, False, False, True],
+                "decorator": [False, True]}
+    assert seen == expected[switch_off]
+
+
+def test_with_another_thread_alive_the_hooks_stay_on() -> None:
+    model = convnet().eval()
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        with torch.no_grad():
+            assert _hooked(model)  # that thread's grad mode is its own: it may call the model with grad on
+    finally:
+        release.set()
+        other.join()
+    with torch.no_grad():
+        assert not _hooked(model)
+
+
+class _NoGradInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # a module that switches grad off inside its own forward
+            scale = x.abs().mean()
+        return self.body(x) * scale
+
+
+def test_a_no_grad_block_inside_our_no_grad_forward_does_not_lose_grad_mode() -> None:
+    model = _NoGradInside().eval()
+    with findings() as got:
+        out = model(torch.randn(2, 4)); line = lineno()  # noqa: E702
+    assert not out.requires_grad
+    assert torch.is_grad_enabled()  # restored by our hook, which a park in the inner block must not remove
+    assert _hooked(model)
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
+
+
+def test_frozen_eval_submodule_stays_checked_across_optimizer_steps() -> None:
+    """An optimizer step switches grad off and on again: the frozen eval-mode net is parked and unparked with it."""
+    torch.manual_seed(0)
+    frozen = nn.Linear(4, 4).eval()
+    student = nn.Linear(4, 4)
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    for _ in range(3):
+        loss = (student(torch.randn(2, 4)) - frozen(torch.randn(2, 4)).detach()).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert _hooked(frozen) and torch.is_grad_enabled()
+    assert student.weight.grad is not None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import sys
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -59,9 +60,11 @@ def _message(frame: FrameType, value: torch.Tensor) -> str:
             f"Write: {target} {op} {shown}{fix}")
 
 
-# Tensors a backward() has started from, by id (a WeakSet would compare tensors with ==): the entry goes with the
-# tensor. Accumulating one of them into a number is the pitfall for certain: its step is over.
-_backwarded: dict[int, weakref.ref[torch.Tensor]] = {}
+# The tensors the last backward() calls started from, as weak references (a WeakSet would compare tensors with ==).
+# Accumulating one of them into a number is the pitfall for certain: its step is over. Only the last few are kept:
+# one weak reference per backward, with no callback, is all a training step pays; an older one is still caught by
+# the watch below.
+_backwarded: deque[weakref.ref[torch.Tensor]] = deque(maxlen=8)
 
 
 @dataclass
@@ -80,8 +83,7 @@ _watches: dict[tuple[str, int], _Watch] = {}
 
 
 def _was_backwarded(t: torch.Tensor) -> bool:
-    ref = _backwarded.get(id(t))
-    return ref is not None and ref() is t
+    return any(ref() is t for ref in _backwarded)
 
 
 def _radd(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -114,10 +116,10 @@ def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
 def _before_backward(tensors: Any, caller: FrameType) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
-        for t in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
-            if isinstance(t, torch.Tensor):
-                key = id(t)
-                _backwarded[key] = weakref.ref(t, lambda _, key=key: _backwarded.pop(key, None))
+        if isinstance(tensors, torch.Tensor):
+            _backwarded.append(weakref.ref(tensors))
+        else:
+            _backwarded.extend(weakref.ref(t) for t in tuple(tensors or ()) if isinstance(t, torch.Tensor))
         if _watches:
             for key, watch in list(_watches.items()):
                 if watch.result() is None:
