@@ -190,3 +190,38 @@ def test_wrapt_c_extension_is_in_use_and_its_absence_is_said() -> None:
     proc = run_python("import warnings, torch, safetorch", env={"WRAPT_DISABLE_EXTENSIONS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "wrapt's C extension is not in use" in proc.stderr
+
+
+def test_a_plain_replacement_inspects_pickles_and_restores_as_the_original() -> None:
+    import inspect
+    import pickle
+
+    from torch.autograd import grad_mode
+
+    init = grad_mode.set_grad_enabled.__dict__["__init__"]
+    assert is_patch(init) and init.__wrapped__ is not init
+    assert (init.__name__, init.__qualname__, init.__module__) == ("__init__", "set_grad_enabled.__init__",
+                                                                   "torch.autograd.grad_mode")
+    assert str(inspect.signature(torch.set_grad_enabled)) == "(mode: bool) -> None"
+    assert pickle.loads(pickle.dumps(torch.set_grad_enabled(True))).mode is True
+    original = init.__wrapped__
+    safetorch.uninstall()
+    assert grad_mode.set_grad_enabled.__dict__["__init__"] is original
+    safetorch.install()
+    assert grad_mode.set_grad_enabled.__dict__["__init__"] is not original
+
+
+def test_a_plain_replacement_is_the_first_layer_or_none() -> None:
+    class Owner:
+        def method(self) -> int:
+            return 1
+
+    reg = Registry()
+    reg.wrap(Owner, "method", lambda w, i, a, k: w(*a, **k) + 1, "wrapt")
+    with pytest.raises(ValueError, match="first patch"):
+        reg.replace(Owner, "method", lambda original: original, "plain")
+    reg.restore()
+    plain = reg.replace(Owner, "method", lambda original: lambda self: original(self) + 10, "plain")
+    assert Owner().method() == 11 and is_patch(plain) and plain.__wrapped__ is not plain
+    reg.restore()
+    assert Owner().method() == 1 and not is_patch(Owner.__dict__["method"])

@@ -298,17 +298,24 @@ def _restore_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
     return result
 
 
-def _set_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    result = wrapped(*args, **kwargs)
-    explicit = _state.explicit
-    instance._safetorch_explicit = explicit
-    # torch itself calls set_grad_enabled(prev) to restore a mode (no_grad.__exit__, optimizer steps): that is not
-    # the program asking. Only a change of the flag needs to look at the caller.
-    if bool(instance.mode) is not explicit and not is_internal(sys._getframe(1).f_code):
-        _state.explicit = not explicit
-    if _wanted:
-        _repark()
-    return result
+def _set_init(original: Any) -> Any:
+    """``set_grad_enabled.__init__``, which sets the mode (torch's no_grad and optimizer steps call it too)."""
+
+    def __init__(self: Any, mode: bool, *args: Any, **kwargs: Any) -> None:
+        original(self, mode, *args, **kwargs)
+        try:
+            explicit = _state.explicit
+            self._safetorch_explicit = explicit
+            # torch itself calls set_grad_enabled(prev) to restore a mode (no_grad.__exit__, optimizer steps): that
+            # is not the program asking. Only a change of the flag needs to look at the caller.
+            if bool(self.mode) is not explicit and not is_internal(sys._getframe(1).f_code):
+                _state.explicit = not explicit
+            if _wanted:
+                _repark()
+        except Exception as exc:
+            internal_error(CODE, exc)
+
+    return __init__
 
 
 # --- the backward error -----------------------------------------------------------------------------------------
@@ -337,7 +344,7 @@ def install(registry: Registry) -> None:
     registry.wrap(torch.jit, "script", _script, CODE)
     registry.wrap(grad_mode.enable_grad, "__enter__", _enable_enter, CODE)
     registry.wrap(grad_mode.enable_grad, "__exit__", _restore_exit, CODE)
-    registry.wrap(grad_mode.set_grad_enabled, "__init__", _set_init, CODE)
+    registry.replace(grad_mode.set_grad_enabled, "__init__", _set_init, CODE)
     registry.wrap(grad_mode.set_grad_enabled, "__exit__", _restore_exit, CODE)
     registry.wrap(grad_mode.set_grad_enabled, "__call__", _restore_exit, CODE)
     _backward.listen(CODE, on_error=_backward_error)
