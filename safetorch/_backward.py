@@ -1,10 +1,10 @@
 """The one wrapper on ``torch.autograd.backward`` that checks share (ST003 translates its error, ST006 checks the
 tensor it starts from).
 
-Design rules: ``Tensor.backward`` calls ``torch.autograd.backward``, so wrapping that single function sees every
-backward, and one layer is all a training step pays (each extra Python frame in the backward path measured 3-7 µs
-on the CI machine). A check adds a listener at install and removes it at uninstall; the patch lives as long as one
-listener does. The listeners get the user's frame: the caller of ``loss.backward()``, or of
+Design rules: ``Tensor.backward`` calls ``torch.autograd.backward``, so patching that single function sees every
+backward, and one layer is all a training step pays: a plain function put in place by `Registry.replace`, since
+every training step calls it. A check adds a listener at install and removes it at uninstall; the patch lives as
+long as one listener does. The listeners get the user's frame: the caller of ``loss.backward()``, or of
 ``torch.autograd.backward(...)``.
 """
 
@@ -32,6 +32,7 @@ OnError = Callable[[RuntimeError], BaseException | None]
 _before: dict[str, Before] = {}
 _on_error: dict[str, OnError] = {}
 _tensor_backward_code = torch.Tensor.backward.__code__
+_is_compiling = torch.compiler.is_compiling
 
 
 def origin(caller: FrameType) -> tuple[FrameType | None, str]:
@@ -43,24 +44,29 @@ def origin(caller: FrameType) -> tuple[FrameType | None, str]:
     return caller, "autograd.backward"
 
 
-def _dispatch(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    __tracebackhide__ = True  # noqa: F841
-    if _before and not torch.compiler.is_compiling():
-        caller = sys._getframe(1)
-        tensors = args[0] if args else kwargs.get("tensors")
-        for before in list(_before.values()):
-            before(tensors, caller)  # each listener guards its own logic; strict mode raises here
-    if not _on_error:
-        return wrapped(*args, **kwargs)
-    try:
-        return wrapped(*args, **kwargs)
-    except RuntimeError as error:
-        if not isinstance(error, SafetorchError):
-            for on_error in list(_on_error.values()):
-                replacement = on_error(error)
-                if replacement is not None:
-                    raise replacement from error
-        raise
+def _dispatch(original: Any) -> Any:
+    """A plain function, not a wrapt proxy (see `Registry.replace`): every training step calls it."""
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        if _before and not _is_compiling():
+            caller = sys._getframe(1)
+            tensors = args[0] if args else kwargs.get("tensors")
+            for before in list(_before.values()):
+                before(tensors, caller)  # each listener guards its own logic; strict mode raises here
+        if not _on_error:
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError as error:
+            if not isinstance(error, SafetorchError):
+                for on_error in list(_on_error.values()):
+                    replacement = on_error(error)
+                    if replacement is not None:
+                        raise replacement from error
+            raise
+
+    return backward
 
 
 def listen(code: str, before: Before | None = None, on_error: OnError | None = None) -> None:
@@ -68,7 +74,7 @@ def listen(code: str, before: Before | None = None, on_error: OnError | None = N
         _before[code] = before
     if on_error is not None:
         _on_error[code] = on_error
-    registry.wrap(torch.autograd, "backward", _dispatch, GROUP)
+    registry.replace(torch.autograd, "backward", _dispatch, GROUP)
 
 
 def unlisten(code: str) -> None:

@@ -380,6 +380,18 @@ def _hooked(model: nn.Module) -> bool:
     return _has_ours(model)
 
 
+@pytest.fixture(autouse=True)
+def _threads_of_this_test_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Count only the threads a test starts: earlier tests leave daemon threads (multiprocessing's resource
+    sharer) for the life of the runner, with which the hooks would, rightly, never park."""
+    import _thread
+
+    from safetorch.checks import eval_mode_grad
+
+    before = _thread._count()
+    monkeypatch.setattr(eval_mode_grad, "_other_threads", lambda: _thread._count() - before)
+
+
 def test_validation_under_no_grad_takes_torchs_fast_path() -> None:
     """Under no_grad in the only thread the hooks are parked: a validation forward pays nothing for ST003."""
     model = convnet().eval()

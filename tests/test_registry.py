@@ -203,7 +203,9 @@ def test_a_plain_replacement_inspects_pickles_and_restores_as_the_original() -> 
     assert (init.__name__, init.__qualname__, init.__module__) == ("__init__", "set_grad_enabled.__init__",
                                                                    "torch.autograd.grad_mode")
     assert str(inspect.signature(torch.set_grad_enabled)) == "(mode: bool) -> None"
-    assert pickle.loads(pickle.dumps(torch.set_grad_enabled(True))).mode is True
+    assert pickle.loads(pickle.dumps(init)) is init  # by reference: torch.autograd.grad_mode.set_grad_enabled...
+    backward = torch.autograd.backward
+    assert is_patch(backward) and pickle.loads(pickle.dumps(backward)) is backward
     original = init.__wrapped__
     safetorch.uninstall()
     assert grad_mode.set_grad_enabled.__dict__["__init__"] is original

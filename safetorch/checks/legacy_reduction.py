@@ -116,15 +116,20 @@ def _elementwise_mean_message(api: str) -> str:
     return f"{CODE} reduction='elementwise_mean' is legacy: write reduction='mean' in {api}"
 
 
-def _get_enum(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    __tracebackhide__ = True  # noqa: F841
-    if args and args[0] == "elementwise_mean" and not kwargs:
-        try:
-            _found(_elementwise_mean_message)
-            return wrapped("mean")
-        except Exception as exc:  # strict-mode findings pass through internal_error
-            internal_error(CODE, exc)
-    return wrapped(*args, **kwargs)
+def _get_enum(original: Any) -> Any:
+    """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it."""
+
+    def get_enum(reduction: str) -> int:
+        __tracebackhide__ = True  # noqa: F841
+        if reduction == "elementwise_mean":
+            try:
+                _found(_elementwise_mean_message)
+                return original("mean")  # type: ignore[no-any-return]
+            except Exception as exc:  # strict-mode findings pass through internal_error
+                internal_error(CODE, exc)
+        return original(reduction)  # type: ignore[no-any-return]
+
+    return get_enum
 
 
 def _loss_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -144,5 +149,5 @@ def _loss_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
 
 def install(registry: Registry) -> None:
     registry.wrap(_reduction, "legacy_get_string", _legacy_get_string, CODE)
-    registry.wrap(_reduction, "get_enum", _get_enum, CODE)
+    registry.replace(_reduction, "get_enum", _get_enum, CODE)
     registry.wrap(_loss._Loss, "__init__", _loss_init, CODE)
