@@ -31,6 +31,7 @@ OnError = Callable[[RuntimeError], BaseException | None]
 
 _before: dict[str, Before] = {}
 _on_error: dict[str, OnError] = {}
+_before_now: tuple[Before, ...] = ()  # the listeners as a tuple: what every backward iterates
 _tensor_backward_code = torch.Tensor.backward.__code__
 _is_compiling = torch.compiler.is_compiling
 
@@ -49,10 +50,10 @@ def _dispatch(original: Any) -> Any:
 
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        if _before and not _is_compiling():
+        if _before_now and not _is_compiling():
             caller = sys._getframe(1)
             tensors = args[0] if args else kwargs.get("tensors")
-            for before in list(_before.values()):
+            for before in _before_now:
                 before(tensors, caller)  # each listener guards its own logic; strict mode raises here
         if not _on_error:
             return original(*args, **kwargs)
@@ -70,15 +71,19 @@ def _dispatch(original: Any) -> Any:
 
 
 def listen(code: str, before: Before | None = None, on_error: OnError | None = None) -> None:
+    global _before_now
     if before is not None:
         _before[code] = before
     if on_error is not None:
         _on_error[code] = on_error
+    _before_now = tuple(_before.values())
     registry.replace(torch.autograd, "backward", _dispatch, GROUP)
 
 
 def unlisten(code: str) -> None:
+    global _before_now
     _before.pop(code, None)
     _on_error.pop(code, None)
+    _before_now = tuple(_before.values())
     if not _before and not _on_error:
         registry.restore(GROUP)
