@@ -498,3 +498,14 @@ def test_frozen_eval_submodule_stays_checked_across_optimizer_steps() -> None:
         opt.step()
         assert _hooked(frozen) and torch.is_grad_enabled()
     assert student.weight.grad is not None
+
+
+def test_inference_mode_parks_the_hooks_too() -> None:
+    model = convnet().eval()
+    with torch.inference_mode():
+        assert not _hooked(model)
+        out = model(torch.randn(1, 3, 8, 8))
+    assert out.is_inference() and _hooked(model)
+    with findings() as got:
+        assert not model(torch.randn(1, 3, 8, 8)).requires_grad; line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]

@@ -103,6 +103,7 @@ namespaces = {"Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase, "F": to
               "_reduction": torch.nn._reduction, "jit": torch.jit, "optimizer": sys.modules["torch.optim.optimizer"],
               "enable_grad": torch.autograd.grad_mode.enable_grad, "no_grad": torch.autograd.grad_mode.no_grad,
               "set_grad_enabled": torch.autograd.grad_mode.set_grad_enabled, "cuda.memory": torch.cuda.memory,
+              "inference_mode": torch.autograd.grad_mode.inference_mode,
               "VariableMeta": type(torch.autograd.Variable)}
 import torch.nn.modules.loss as L
 for n, c in vars(L).items():

@@ -18,8 +18,8 @@ Design rules:
   need the check, so the hooks are parked: taken off the modules and put back when grad mode comes on again. The
   wrappers that track explicit grad mode see every such change made through torch's Python API, so a validation
   forward under no_grad takes torch's fast path and pays nothing. With more than one thread the hooks stay on (grad
-  mode is per thread); a change made through ``torch._C`` directly or by ``inference_mode`` is not seen, and leaves
-  the hooks as they were.
+  mode is per thread); ``inference_mode`` is followed too; a change made through ``torch._C`` directly is not seen,
+  and leaves the hooks as they were.
 - The hooks sit under fixed keys of the module's hook dictionaries, so deep copies and unpickled modules are handled
   as well as the original, and toggling eval/train never grows those dictionaries.
 - The hook objects pickle as ``None.__init__``, a built-in no-op that accepts any arguments: a model saved with
@@ -318,6 +318,14 @@ def _set_init(original: Any) -> Any:
     return __init__
 
 
+def _repark_after(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``inference_mode`` switches grad mode in C++: park or unpark after its ``__enter__`` and ``__exit__``."""
+    result = wrapped(*args, **kwargs)
+    if _wanted:
+        _repark()
+    return result
+
+
 # --- the backward error -----------------------------------------------------------------------------------------
 
 
@@ -347,6 +355,8 @@ def install(registry: Registry) -> None:
     registry.replace(grad_mode.set_grad_enabled, "__init__", _set_init, CODE)
     registry.wrap(grad_mode.set_grad_enabled, "__exit__", _restore_exit, CODE)
     registry.wrap(grad_mode.set_grad_enabled, "__call__", _restore_exit, CODE)
+    registry.wrap(grad_mode.inference_mode, "__enter__", _repark_after, CODE)
+    registry.wrap(grad_mode.inference_mode, "__exit__", _repark_after, CODE)
     _backward.listen(CODE, on_error=_backward_error)
 
 
