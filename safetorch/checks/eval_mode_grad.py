@@ -257,25 +257,33 @@ def _script(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
                 _attach(m)
 
 
-def _train(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Hooks go on the module whose eval() the program called, not on each child a parent's train() recurses into:
+def _train(original: Any) -> Any:
+    """``Module.train``, as a plain function (see `Registry.replace`): torch's ``train()`` calls it again for every
+    child, so a model of 150 modules calls it 150 times per ``train()``/``eval()``.
+
+    Hooks go on the module whose eval() the program called, not on each child a parent's train() recurses into:
     the children's forwards run inside the parent's, where ST003 leaves them alone anyway."""
-    result = wrapped(*args, **kwargs)
-    try:
-        if instance.training:
-            if id(instance) in _wanted or _PRE_KEY in instance.__dict__.get("_forward_pre_hooks", ()):
-                _unwant(instance)
-            if any(m is instance for m in _state.active):
-                # A KeyboardInterrupt inside our no_grad forward skips the always-called hook (torch calls it for
-                # Exception only): heal when the program goes back to training, e.g. in the next notebook cell.
-                _state.active = [m for m in _state.active if m is not instance]
-                _set_grad_enabled(True)
-        elif (sys._getframe(1).f_code is not _train_code and not isinstance(instance, torch.jit.ScriptModule)
-              and not _is_compiling()):
-            _want(instance)
-    except Exception as exc:
-        internal_error(CODE, exc)
-    return result
+
+    def train(self: Any, mode: bool = True) -> Any:
+        result = original(self, mode)
+        if _is_compiling():
+            return result
+        try:
+            if self.training:
+                if id(self) in _wanted or _PRE_KEY in self.__dict__.get("_forward_pre_hooks", ()):
+                    _unwant(self)
+                if _state.active and any(m is self for m in _state.active):
+                    # A KeyboardInterrupt inside our no_grad forward skips the always-called hook (torch calls it
+                    # for Exception only): heal when the program goes back to training, e.g. in the next cell.
+                    _state.active = [m for m in _state.active if m is not self]
+                    _set_grad_enabled(True)
+            elif sys._getframe(1).f_code is not _train_code and not isinstance(self, torch.jit.ScriptModule):
+                _want(self)
+        except Exception as exc:
+            internal_error(CODE, exc)
+        return result
+
+    return train
 
 
 # --- explicit grad mode, per thread ---------------------------------------------------------------------------
@@ -348,7 +356,7 @@ def _backward_error(error: RuntimeError) -> BaseException | None:
 def install(registry: Registry) -> None:
     global _enabled
     _enabled = True
-    registry.wrap(torch.nn.Module, "train", _train, CODE)
+    registry.replace(torch.nn.Module, "train", _train, CODE)
     registry.wrap(torch.jit, "script", _script, CODE)
     registry.wrap(grad_mode.enable_grad, "__enter__", _enable_enter, CODE)
     registry.wrap(grad_mode.enable_grad, "__exit__", _restore_exit, CODE)
