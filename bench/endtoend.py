@@ -81,7 +81,7 @@ def measure(epoch: Callable[[], Any], device: str, steps: int, rounds: int, warm
 def run(quick: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     out: dict[str, Any] = {}
-    rounds = 6 if quick else 20
+    rounds = 6 if quick else 40
     cpu = {
         "cpu small CNN (batch 8, 32x32)": (models.small_cnn(), torch.randn(8, 3, 32, 32), 10, 5 if quick else 20),
         "cpu tiny MLP (batch 1)": (models.tiny_mlp(), torch.randn(1, 16), 10, 100 if quick else 400),

@@ -129,6 +129,10 @@ def cases() -> list[tuple[str, Any, str | tuple[str, ...], Callable[[], Any], bo
         with torch.set_grad_enabled(True):
             pass
 
+    def inference_mode() -> None:
+        with torch.inference_mode():
+            pass
+
     def variable() -> None:
         sink[0] = torch.autograd.Variable(x)
 
@@ -149,6 +153,8 @@ def cases() -> list[tuple[str, Any, str | tuple[str, ...], Callable[[], Any], bo
         ("__enter__", "__exit__"), enable_grad)
     add("ST003 with torch.set_grad_enabled(True): (__init__, __exit__)",
         torch.autograd.grad_mode.set_grad_enabled, ("__init__", "__exit__"), set_grad_enabled)
+    add("ST003 with torch.inference_mode(): (__enter__, __exit__)", torch.autograd.grad_mode.inference_mode,
+        ("__enter__", "__exit__"), inference_mode)
     add("ST004 1.0 + tensor (Tensor.__radd__)", torch.Tensor, "__radd__", radd)
     add("ST005 Variable(x) (VariableMeta.__call__)", variable_meta, "__call__", variable)
     add("ST003/ST006 loss.backward() (torch.autograd.backward)", torch.autograd, "backward", backward, False)

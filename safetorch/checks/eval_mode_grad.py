@@ -309,8 +309,8 @@ def _restore_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: di
 def _set_init(original: Any) -> Any:
     """``set_grad_enabled.__init__``, which sets the mode (torch's no_grad and optimizer steps call it too)."""
 
-    def __init__(self: Any, mode: bool, *args: Any, **kwargs: Any) -> None:
-        original(self, mode, *args, **kwargs)
+    def __init__(self: Any, mode: bool) -> None:  # torch's signature since 1.x; no **kwargs dict per call
+        original(self, mode)
         try:
             explicit = _state.explicit
             self._safetorch_explicit = explicit
