@@ -45,7 +45,10 @@ class _CodeInfo:
 
 
 _code_infos: dict[int, _CodeInfo] = {}
-_discarded: dict[tuple[int, int], tuple[CodeType, bool]] = {}
+# Keyed by id(code) + offset, an int (no tuple to build on the hot path). From 3.11 the bytecode lies inside the code
+# object, so two live code objects never share a key; on 3.10 a shared key is only a cache miss, since the entry's
+# code object is checked.
+_discarded: dict[int, tuple[CodeType, bool]] = {}
 _accumulates: dict[tuple[int, int], tuple[CodeType, bool]] = {}
 
 
@@ -68,7 +71,7 @@ def is_discarded(frame: FrameType) -> bool:
     The REPL's echo of an expression statement is PRINT_EXPR / CALL_INTRINSIC_1, not POP_TOP: not a discard.
     """
     code = frame.f_code
-    entry = _discarded.get((id(code), frame.f_lasti))
+    entry = _discarded.get(id(code) + frame.f_lasti)
     if entry is not None and entry[0] is code:
         return entry[1]
     return _discarded_slow(code, frame.f_lasti)
@@ -77,7 +80,7 @@ def is_discarded(frame: FrameType) -> bool:
 def _discarded_slow(code: CodeType, lasti: int) -> bool:
     nxt = _next_instruction(code, lasti)
     answer = nxt is not None and nxt.opname == "POP_TOP"
-    _discarded[(id(code), lasti)] = (code, answer)
+    _discarded[id(code) + lasti] = (code, answer)
     return answer
 
 
