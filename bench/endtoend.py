@@ -82,13 +82,17 @@ def run(quick: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     out: dict[str, Any] = {}
     rounds = 6 if quick else 40
+    # Short epochs, many rounds: on a shared machine the noise comes in bursts, and a ratio taken from two epochs run
+    # next to each other is less likely to straddle one.
     cpu = {
-        "cpu small CNN (batch 8, 32x32)": (models.small_cnn(), torch.randn(8, 3, 32, 32), 10, 5 if quick else 20),
-        "cpu tiny MLP (batch 1)": (models.tiny_mlp(), torch.randn(1, 16), 10, 100 if quick else 400),
+        "cpu small CNN (batch 8, 32x32)": (models.small_cnn(), torch.randn(8, 3, 32, 32), 10, 5 if quick else 10,
+                                           6 if quick else 80),
+        "cpu tiny MLP (batch 1)": (models.tiny_mlp(), torch.randn(1, 16), 10, 50 if quick else 100,
+                                   6 if quick else 160),
     }
-    for label, (model, x, classes, steps) in cpu.items():
+    for label, (model, x, classes, steps, cpu_rounds) in cpu.items():
         y = torch.randint(0, classes, (x.shape[0],))
-        out[label] = measure(make_epoch(model, x, y, steps), "cpu", steps, rounds, warmup=1)
+        out[label] = measure(make_epoch(model, x, y, steps), "cpu", steps, cpu_rounds, warmup=1)
     if torch.cuda.is_available():
         gpu = {
             "cuda ResNet-like (batch 64, 32x32)": (models.resnet_like(), torch.randn(64, 3, 32, 32)),

@@ -1,0 +1,92 @@
+"""``python -m bench.instructions [--steps N] [--json PATH]``: the tiny-MLP loop's cost counted in instructions.
+
+Timings on a shared machine move by several percent between runs, whatever the repeats; the number of instructions
+the CPU executes does not. This runs the end-to-end tiny-MLP epoch (`bench.endtoend.make_epoch`: training steps,
+then validation steps under ``no_grad``) under valgrind's callgrind twice, with safetorch installed and uninstalled,
+counting only inside the measured epochs (everything else — interpreter start, ``import torch``, warm-up — is left
+out by ``--toggle-collect``). Optional: it needs valgrind, and takes a few minutes.
+
+Instructions are not time: the same count can take longer when it misses the caches more, which Python code does
+more than torch's kernels. The timed bench (`python -m bench`) stays the measure; this is its noise-free companion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+_PROGRAM = textwrap.dedent("""\
+    import functools, os, torch, safetorch
+    from bench import models
+    from bench.endtoend import make_epoch
+    torch.manual_seed(0)
+    model, x = models.tiny_mlp(), torch.randn(1, 16)
+    epoch = make_epoch(model, x, torch.randint(0, 10, (1,)), int(os.environ["BENCH_STEPS"]))
+    if os.environ["BENCH_SAFETORCH"] == "0":
+        safetorch.uninstall()
+    epoch(); epoch()                                         # warm-up: not counted
+    functools.reduce(lambda acc, _: epoch(), range(2), None)  # counted: what runs inside functools.reduce
+""")
+
+
+def _launch(on: bool, steps: int) -> subprocess.Popen[str]:
+    env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_SAFETORCH": "1" if on else "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
+    cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce", "--callgrind-out-file=/dev/null",
+           sys.executable, "-c", _PROGRAM]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _collected(proc: subprocess.Popen[str]) -> int:
+    out, err = proc.communicate()
+    match = re.search(r"I\s+refs:\s+([\d,]+)", err)
+    if proc.returncode != 0 or match is None:
+        raise RuntimeError(f"valgrind run failed ({proc.returncode}):\n{err[-2000:]}")
+    return int(match.group(1).replace(",", ""))
+
+
+def run(steps: int) -> dict[str, Any]:
+    """Both runs side by side (one per core); counts per training + validation step pair."""
+    procs = {"without": _launch(False, steps), "with": _launch(True, steps)}
+    counts = {k: _collected(p) for k, p in procs.items()}
+    pairs = 2 * steps  # two counted epochs of `steps` training and `steps` validation steps
+    return {
+        "loop": "cpu tiny MLP (batch 1)",
+        "steps_per_epoch": steps,
+        "instructions": counts,
+        "per_step_pair": {k: round(v / pairs) for k, v in counts.items()},
+        "overhead_pct": round((counts["with"] / counts["without"] - 1) * 100, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=100, help="training (and validation) steps per epoch")
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    args = parser.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed: nothing measured", file=sys.stderr)
+        return 2
+    from . import __main__ as bench_main
+
+    version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
+    result = {"machine": bench_main.machine(), "valgrind": version, "date": datetime.date.today().isoformat(),
+              **run(args.steps)}
+    print(f"{result['loop']}: {result['per_step_pair']['without']} instructions per training + validation step "
+          f"without safetorch, {result['per_step_pair']['with']} with it: {result['overhead_pct']:+.2f}%")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
