@@ -6,6 +6,7 @@ import copy
 import io
 import pickle
 import threading
+import warnings
 
 import pytest
 import torch
@@ -509,3 +510,14 @@ def test_inference_mode_parks_the_hooks_too() -> None:
     with findings() as got:
         assert not model(torch.randn(1, 3, 8, 8)).requires_grad; line = lineno()  # noqa: E702
     assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
+
+
+def test_scripting_a_parked_model_leaves_it_parked_until_grad_comes_back() -> None:
+    model = convnet().eval()
+    with torch.no_grad():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript's own deprecation notices
+            scripted = torch.jit.script(model)
+        assert not _hooked(model)
+        assert torch.allclose(scripted(torch.ones(1, 3, 8, 8)), model(torch.ones(1, 3, 8, 8)))
+    assert _hooked(model)

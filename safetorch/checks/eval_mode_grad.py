@@ -252,8 +252,8 @@ def _script(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
     try:
         return wrapped(*args, **kwargs)
     finally:
-        if not _parked:
-            for m in hidden:
+        for m in hidden:
+            if not _parked or id(m) not in _wanted:  # a parked module gets them back when grad mode comes on
                 _attach(m)
 
 
