@@ -136,3 +136,21 @@ def test_strict_mode_raises_on_this_line() -> None:
 def test_numbers_are_unchanged() -> None:
     loss = make_loss()
     assert torch.equal(1.5 + loss, torch.add(loss, 1.5))
+
+
+def test_a_loss_backwarded_before_the_last_eight_is_still_found() -> None:
+    """Only the last eight backwards are remembered for the immediate finding; an older one is caught by the watch."""
+    losses = [make_loss() for _ in range(10)]
+    for loss in losses:
+        loss.backward()
+    total = 0.0
+    with findings() as got:
+        total += losses[0]; line = lineno()  # noqa: E702
+        assert got == []  # not among the last eight: watched, not yet reported
+        for _ in range(2):
+            make_loss().backward()
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(GraphAccumulationWarning, __file__, line)]
+    other = 0.0
+    with findings() as got:
+        other += losses[-1]; line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(GraphAccumulationWarning, line)]  # among the last eight: at once
