@@ -154,17 +154,25 @@ class Registry:
     def _ours(self, owner: object, name: str) -> list[_Record]:
         return [r for r in self._records.values() if r.owner is owner and r.name == name]
 
+    def _start(self, owner: object, name: str, group: str, layered: bool) -> tuple[Any, Any]:
+        """(what to return because it is in place already, or _MISSING; the object a new patch goes around)."""
+        record = self._records.get((id(owner), name, group))
+        if record is not None:
+            return record.installed, None
+        current = _namespace(owner).get(name, _MISSING)
+        if current is not _MISSING and is_patch(current):
+            if not any(r.installed is current for r in self._ours(owner, name)):
+                return current, None  # another copy of safetorch (a reloaded module) already patches it
+            if not layered:
+                raise ValueError(f"{name} is patched already: a plain replacement must be its first patch")
+        return _MISSING, current if current is not _MISSING else _inherited(owner, name)
+
     def wrap(self, owner: object, name: str, wrapper: Wrapper, group: str) -> Any:
         """Wrap ``owner.name`` with ``wrapper(wrapped, instance, args, kwargs)``; return the patch in place."""
         with self._lock:
-            record = self._records.get((id(owner), name, group))
-            if record is not None:
-                return record.installed
-            current = _namespace(owner).get(name, _MISSING)
-            if current is not _MISSING and is_patch(current) and not any(r.installed is current
-                                                                          for r in self._ours(owner, name)):
-                return current  # another copy of safetorch (a reloaded module) already wraps it: no second layer
-            target = current if current is not _MISSING else _inherited(owner, name)
+            present, target = self._start(owner, name, group, layered=True)
+            if present is not _MISSING:
+                return present
             return self._put(owner, name, Patch(target, wrapper, owner, name), group, target)
 
     def replace(self, owner: object, name: str, factory: Callable[[Any], Callable[..., Any]], group: str) -> Any:
@@ -174,15 +182,9 @@ class Registry:
         be spliced out from under another layer: it must be the first patch of that attribute.
         """
         with self._lock:
-            record = self._records.get((id(owner), name, group))
-            if record is not None:
-                return record.installed
-            current = _namespace(owner).get(name, _MISSING)
-            if current is not _MISSING and is_patch(current):
-                if any(r.installed is current for r in self._ours(owner, name)):
-                    raise ValueError(f"{name} is patched already: a plain replacement must be its first patch")
-                return current  # another copy of safetorch already patches it
-            target = current if current is not _MISSING else _inherited(owner, name)
+            present, target = self._start(owner, name, group, layered=False)
+            if present is not _MISSING:
+                return present
             function = factory(target)
             functools.update_wrapper(function, target)
             function.__safetorch_patch__ = True  # type: ignore[attr-defined]

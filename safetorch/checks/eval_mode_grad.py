@@ -373,9 +373,6 @@ def uninstall() -> None:
     global _enabled, _parked
     _enabled = False
     _backward.unlisten(CODE)
-    for ref in list(_wanted.values()):
-        module = ref()
-        if module is not None:
-            _detach(module)
+    _apply(True)  # every hook off
     _wanted.clear()
     _parked = False

@@ -25,7 +25,6 @@ from .._patch import Registry
 from .._report import internal_error, report, report_at
 
 CODE = "ST006"
-_isfinite = math.isfinite
 
 CAUSES = ("the usual causes: a learning rate too high (try a smaller one, or gradient clipping), log(0) or "
           "log of a negative number, a division by zero (add an epsilon), or bad data (NaN/Inf in inputs or "
@@ -131,14 +130,8 @@ def _before_backward(tensors: Any, caller: FrameType) -> None:
     try:
         if _pending:
             poll()
-        if isinstance(tensors, torch.Tensor) and tensors.is_cpu and tensors.numel() == 1:
-            # The usual case, a scalar loss on the CPU, read in place: one .item() and no further call.
-            value = tensors.item()
-            if type(value) is float:
-                if _isfinite(value):
-                    return
-            elif type(value) is not complex:
-                return  # an integer or bool: always finite
+        if isinstance(tensors, torch.Tensor) and tensors.is_cpu and _finite(tensors):
+            return  # the usual case, one finite loss on the CPU: no loop, no frame walk
         _check(tensors, caller)
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)

@@ -48,7 +48,7 @@ INJECT = textwrap.dedent("""\
     legacy_reduction._legacy_message = boom   # ST002
     eval_mode_grad._requires_grad = boom      # ST003
     volatile_variable.report = boom           # ST005
-    non_finite_loss._isfinite = boom          # ST006
+    non_finite_loss._finite = boom            # ST006
     empty_cache_loop._new_site = boom         # ST007
 """)
 
