@@ -1,8 +1,14 @@
 """Memory of a validation pass that forgot ``torch.no_grad()``, and of a training step, with and without safetorch.
 
-On CPU torch keeps no peak-memory statistics, so the measure is the bytes of the tensors autograd saves for
-backward during the forward (``saved_tensors_hooks``): exactly what a validation loop without no_grad keeps alive
-and what runs a GPU out of memory. On CUDA it is ``torch.cuda.max_memory_allocated`` around the forward.
+On CPU torch keeps no peak-memory statistics, so the measure is the peak of the bytes of the tensors autograd saves
+for backward that are alive at once (``saved_tensors_hooks``, released with their graph): exactly what a validation
+loop without no_grad keeps alive and what runs a GPU out of memory. On CUDA it is ``torch.cuda.max_memory_allocated``
+around the loop.
+
+The validation loop is the usual one, ``out = model(x)`` per batch: without safetorch, the previous batch's graph is
+still bound to ``out`` while the next forward builds its own, so two graphs are alive at the peak. With safetorch the
+first forward at that line is watched (run as written, with its graph) and the next ones run under no_grad: one
+graph at the peak, the first batch's, freed at the next batch.
 """
 
 from __future__ import annotations
@@ -13,20 +19,33 @@ from typing import Any
 import torch
 
 import safetorch
+import safetorch.checks.eval_mode_grad
 
 from . import models
 
 
+class _Held:
+    """A saved tensor, counted as alive until its graph lets go of it."""
+
+    __slots__ = ("live", "nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, live: list[int]) -> None:
+        # detached: a saved output holding its own grad_fn would make a cycle that only the GC frees
+        self.tensor, self.live, self.nbytes = tensor.detach(), live, tensor.numel() * tensor.element_size()
+        live[0] += self.nbytes
+        live[1] = max(live[1], live[0])
+
+    def __del__(self) -> None:
+        self.live[0] -= self.nbytes
+
+
 def saved_bytes(fn: Callable[[], Any]) -> int:
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        total[0] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total[0]
+    """The peak of the bytes saved for backward that are alive at once while ``fn`` runs."""
+    live = [0, 0]  # now, peak
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(t, live), lambda held: held.tensor):
+        result = fn()
+    del result
+    return live[1]
 
 
 def cuda_peak(fn: Callable[[], Any]) -> int:
@@ -41,9 +60,16 @@ def cuda_peak(fn: Callable[[], Any]) -> int:
     return peak
 
 
+BATCHES = 4
+
+
 def _validation(model: torch.nn.Module, x: torch.Tensor) -> Callable[[], Any]:
     def run() -> Any:
-        return model(x)  # model.eval() was called; torch.no_grad() was forgotten
+        correct = 0
+        for _ in range(BATCHES):
+            out = model(x)  # model.eval() was called; torch.no_grad() was forgotten
+            correct += int((out.argmax(1) == 0).sum())
+        return correct
     return run
 
 
@@ -66,7 +92,7 @@ def run(quick: bool) -> dict[str, Any]:
     batch = 64 if device == "cuda" else (8 if quick else 32)
     x = torch.randn(batch, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
-    out: dict[str, Any] = {"device": device, "measure": measure.__name__, "batch": batch,
+    out: dict[str, Any] = {"device": device, "measure": measure.__name__, "batch": batch, "batches": BATCHES,
                            "model": "resnet_like" if device == "cuda" else "small_cnn"}
     model.train()
     train = _training_step(model, x, y)
@@ -76,6 +102,7 @@ def run(quick: bool) -> dict[str, Any]:
     results: dict[str, dict[str, int]] = {}
     for state in ("without", "with"):
         (safetorch.install if state == "with" else safetorch.uninstall)()
+        safetorch.checks.eval_mode_grad.reset()  # a fresh call site: its first forward is watched
         model.eval()
         results[f"validation_{state}"] = {"bytes": measure(val)}
         model.train()

@@ -11,6 +11,7 @@ from . import nn as nn
 from ._exceptions import DiscardedConversionWarning as DiscardedConversionWarning
 from ._exceptions import EmptyCacheLoopWarning as EmptyCacheLoopWarning
 from ._exceptions import EvalModeGradWarning as EvalModeGradWarning
+from ._exceptions import EvalModeTrainingWarning as EvalModeTrainingWarning
 from ._exceptions import GraphAccumulationWarning as GraphAccumulationWarning
 from ._exceptions import LegacyReductionWarning as LegacyReductionWarning
 from ._exceptions import NonFiniteLossWarning as NonFiniteLossWarning
@@ -31,6 +32,7 @@ __all__ = [
     "DiscardedConversionWarning",
     "EmptyCacheLoopWarning",
     "EvalModeGradWarning",
+    "EvalModeTrainingWarning",
     "GraphAccumulationWarning",
     "LegacyReductionWarning",
     "NonFiniteLossWarning",

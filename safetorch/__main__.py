@@ -33,7 +33,7 @@ environment (read once; the options above override it):
 
 rules: ST001 discarded conversion, ST002 legacy size_average/reduce, ST003 eval-mode forward with autograd on,
        ST004 loss accumulated with its graph, ST005 Variable(volatile=True), ST006 non-finite loss at backward,
-       ST007 empty_cache() in a loop
+       ST007 empty_cache() in a loop, ST008 a model trained while in eval mode
 """
 
 

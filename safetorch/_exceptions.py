@@ -10,6 +10,7 @@ __all__ = [
     "DiscardedConversionWarning",
     "EmptyCacheLoopWarning",
     "EvalModeGradWarning",
+    "EvalModeTrainingWarning",
     "GraphAccumulationWarning",
     "LegacyReductionWarning",
     "NonFiniteLossWarning",
@@ -69,6 +70,12 @@ class EmptyCacheLoopWarning(SafetorchWarning):
     code = "ST007"
 
 
+class EvalModeTrainingWarning(SafetorchWarning):
+    """ST008: an optimizer trains parameters of a model called in eval mode (dropout off, BatchNorm frozen)."""
+
+    code = "ST008"
+
+
 class SafetorchError(RuntimeError):
     """Raised instead of a warning in strict mode, and for errors safetorch can explain better than torch.
 
@@ -95,6 +102,7 @@ class SafetorchConfigWarning(UserWarning):
 # by that name too, which the package exports.
 for _cls in (SafetorchWarning, DiscardedConversionWarning, LegacyReductionWarning, EvalModeGradWarning,
              GraphAccumulationWarning, VolatileVariableWarning, NonFiniteLossWarning, EmptyCacheLoopWarning,
+             EvalModeTrainingWarning,
              SafetorchError, SafetorchInternalWarning, SafetorchConfigWarning):
     _cls.__module__ = "safetorch"
 del _cls

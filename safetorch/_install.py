@@ -30,6 +30,7 @@ CHECKS: dict[str, str] = {
     "ST005": "volatile_variable",
     "ST006": "non_finite_loss",
     "ST007": "empty_cache_loop",
+    "ST008": "eval_mode_training",
 }
 
 _CORE = "core"
@@ -51,7 +52,7 @@ def _check_module(code: str) -> ModuleType:
 
 
 def _teardown(code: str) -> None:
-    """Restore a check's patches, and let it clean up what it attached to objects (ST003's module hooks)."""
+    """Restore a check's patches, and let it clean up what it attached to objects (ST003's module guards)."""
     _installed.discard(code)
     registry.restore(code)
     cleanup = getattr(_check_module(code), "uninstall", None)

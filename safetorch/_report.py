@@ -139,10 +139,11 @@ def internal_error(code: str, exc: BaseException) -> None:
     """A check failed: say so once per check and carry on; the user's program must not notice.
 
     Every check guards its own logic with ``except Exception as exc: internal_error(CODE, exc)``. A
-    `SafetorchError` is a strict-mode finding, not a failure: it is raised again, so that it reaches the user.
+    `SafetorchError` is a strict-mode finding, not a failure, and a `Warning` raised as an exception is a finding
+    that the program's warning filters (``-W error``) turned into one: both are raised again, to reach the user.
     """
     __tracebackhide__ = True  # noqa: F841
-    if isinstance(exc, SafetorchError):
+    if isinstance(exc, (SafetorchError, Warning)):  # a finding raised in strict mode, or by a `-W error` filter
         raise exc
     if code in _internal_reported:
         return

@@ -12,6 +12,7 @@ from ._exceptions import (
     DiscardedConversionWarning,
     EmptyCacheLoopWarning,
     EvalModeGradWarning,
+    EvalModeTrainingWarning,
     GraphAccumulationWarning,
     LegacyReductionWarning,
     NonFiniteLossWarning,
@@ -48,6 +49,8 @@ RULES: dict[str, Rule] = {
              "a NaN or infinite loss reaching backward()", per_rank=True),
         Rule("ST007", "empty-cache-loop", EmptyCacheLoopWarning,
              "torch.cuda.empty_cache() called over and over from one line"),
+        Rule("ST008", "eval-mode-training", EvalModeTrainingWarning,
+             "an optimizer trains parameters of a model called top-level in eval mode"),
     )
 }
 

@@ -11,6 +11,7 @@ import pytest
 
 import safetorch
 from safetorch import _report
+from safetorch.checks import eval_mode_grad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,9 +21,11 @@ def _fresh_safetorch() -> Iterator[None]:
     """Every test starts with all checks installed, not strict, and no call site reported yet."""
     safetorch.install(strict=False, ignore=())
     _report.reset()
+    eval_mode_grad.reset()
     yield
     safetorch.install(strict=False, ignore=())
     _report.reset()
+    eval_mode_grad.reset()
 
 
 @contextlib.contextmanager

@@ -197,21 +197,19 @@ def test_a_plain_replacement_inspects_pickles_and_restores_as_the_original() -> 
     import inspect
     import pickle
 
-    from torch.autograd import grad_mode
-
-    init = grad_mode.set_grad_enabled.__dict__["__init__"]
-    assert is_patch(init) and init.__wrapped__ is not init
-    assert (init.__name__, init.__qualname__, init.__module__) == ("__init__", "set_grad_enabled.__init__",
-                                                                   "torch.autograd.grad_mode")
-    assert str(inspect.signature(torch.set_grad_enabled)) == "(mode: bool) -> None"
-    assert pickle.loads(pickle.dumps(init)) is init  # by reference: torch.autograd.grad_mode.set_grad_enabled...
+    train = torch.nn.Module.__dict__["train"]
+    assert is_patch(train) and train.__wrapped__ is not train
+    assert (train.__name__, train.__qualname__, train.__module__) == ("train", "Module.train",
+                                                                      "torch.nn.modules.module")
+    original = train.__wrapped__
+    assert inspect.signature(torch.nn.Module.train) == inspect.signature(original)
+    assert pickle.loads(pickle.dumps(train)) is train  # by reference: torch.nn.modules.module.Module.train
     backward = torch.autograd.backward
     assert is_patch(backward) and pickle.loads(pickle.dumps(backward)) is backward
-    original = init.__wrapped__
     safetorch.uninstall()
-    assert grad_mode.set_grad_enabled.__dict__["__init__"] is original
+    assert torch.nn.Module.__dict__["train"] is original
     safetorch.install()
-    assert grad_mode.set_grad_enabled.__dict__["__init__"] is not original
+    assert torch.nn.Module.__dict__["train"] is not original
 
 
 def test_a_plain_replacement_is_the_first_layer_or_none() -> None:

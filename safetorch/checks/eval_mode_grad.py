@@ -1,284 +1,533 @@
-"""ST003: the forward of an eval-mode model runs under ``torch.no_grad()`` when autograd would record for nothing.
+"""ST003 and ST008: an eval-mode model called at top level with autograd on. Observe first, then act.
 
-People call ``model.eval()`` and believe it disables gradients; it only switches dropout and BatchNorm, and the
-validation loop keeps every activation for a backward that never comes.
+People call ``model.eval()`` and believe it disables gradients; it only switches dropout and BatchNorm, and a
+validation loop without ``torch.no_grad()`` keeps every activation for a backward that never comes (ST003). The
+opposite mistake is as common and as silent: a model that is still in eval mode while it trains, because a library
+returned it that way (``from_pretrained``) or ``model.train()`` was forgotten after a validation pass (ST008).
 
-Semantics: a forward of module ``m`` runs under no_grad, reported once per call site, when all hold:
-``m`` is in eval mode and called at top level (not from inside another module's forward: a training parent
-decides for its children); grad mode is on and was not asked for explicitly (``torch.enable_grad()``,
-``torch.set_grad_enabled(True)``); no tensor among the inputs requires grad (args, kwargs and one level of
-lists/tuples/dicts); some parameter of ``m`` requires grad.
+What happens, per call site (the user's line, the call instruction on it, and the module):
+1. The first eval-mode forward at a site runs **exactly as written**, with grad, and is watched: does its output's
+   graph reach a leaf that is not a parameter of this module (an input at any depth, another model's parameters, a
+   global tensor)? Does the forward itself call ``torch.autograd.grad``/``backward`` or register a tensor hook? Does
+   a backward later reach its output, or its parameters?
+2. At the next forward there, the site is decided. If anything above was seen, the site needs gradients and is never
+   touched again. Otherwise it is an evaluation: ST003 is reported, and from this forward on the site runs under
+   ``no_grad`` (except a forward whose inputs require grad, at any depth, which runs as written).
+3. When a backward reached such a forward and an optimizer step then updates parameters of that module that hold
+   gradients, ST008 is reported once at the forward's line, naming who put the module in eval mode.
+4. Should a backward still reach the watched output of a site decided as an evaluation (its later forwards gave no
+   gradients), it fails with a `SafetorchError` that says so, instead of training on a silently partial gradient.
 
 Design rules:
-- No global module hooks (they switch off torch's fast path in ``Module.__call__`` for every module):
-  ``Module.train`` is wrapped, and the module the program puts in eval mode gets one forward pre-hook and one
-  always-called forward hook, removed again when it goes back to training. Modules never put in eval mode pay
-  nothing; neither do the children a parent's ``train()`` recurses into (their forwards run inside the parent's).
-- While grad mode is off in the program's only thread (a validation loop under ``torch.no_grad()``), no forward can
-  need the check, so the hooks are parked: taken off the modules and put back when grad mode comes on again. The
-  wrappers that track explicit grad mode see every such change made through torch's Python API, so a validation
-  forward under no_grad takes torch's fast path and pays nothing. With more than one thread the hooks stay on (grad
-  mode is per thread); ``inference_mode`` is followed too; a change made through ``torch._C`` directly is not seen,
-  and leaves the hooks as they were.
-- The hooks sit under fixed keys of the module's hook dictionaries, so deep copies and unpickled modules are handled
-  as well as the original, and toggling eval/train never grows those dictionaries.
-- The hook objects pickle as ``None.__init__``, a built-in no-op that accepts any arguments: a model saved with
-  safetorch installed loads where safetorch is not. They deep-copy as themselves.
-- Explicit grad mode is tracked per thread, as torch's grad mode is.
-- When a backward then fails because it starts from a tensor computed under that no_grad, torch's bare
-  "does not require grad" error becomes a `SafetorchError` that names the model and the ways out.
+- Nothing global on the forward path: the module the program puts in eval mode (its ``eval()`` called directly, not
+  a child that a parent's ``train()`` recursed into) gets a guard in its own ``__dict__`` under ``_call_impl``, which
+  ``Module._wrapped_call_impl`` looks up on the instance. Calling through the guard keeps torch's hook-free fast path,
+  and grad mode is restored in a ``finally``: KeyboardInterrupt and SystemExit included. A guarded module called from
+  inside another module's forward (frozen BatchNorm in a training net) loses its guard at that first call: a training
+  parent decides for its children. ``train()``, or ``training`` set back to True by assignment, drops the guard.
+- Costs are O(1) in the number of eval-mode modules: grad-mode switches and optimizer steps touch no module; ST008's
+  step hook exists only while a site waits for its first step.
+- The guard never reaches a pickle: ``Module.__getstate__`` leaves it out (except for ``copy.deepcopy``, whose copy
+  gets its own guard), so a model saved with safetorch holds the bytes of the same model saved without it. DataParallel
+  replicas are made without it (their forwards run inside DataParallel's).
+- Explicit grad mode (``with torch.enable_grad()``, ``with torch.set_grad_enabled(True)``, ``inference_mode(False)``,
+  each also as a decorator) switches the check off for its scope only, per thread, as torch's grad mode is. The
+  function form ``torch.set_grad_enabled(True)`` is not a scope: Lightning's fit loop calls it, and it leaves nothing.
+- tracing (``torch.jit.trace``), ``torch.compile``/export and ``torch.func`` transforms pass straight through.
+- All state lives in one `_Sites` object that `reset` and `uninstall` clear.
 """
 
 from __future__ import annotations
 
-import _thread
+import dataclasses
+import os
 import sys
+import sysconfig
 import threading
 import weakref
-from dataclasses import dataclass
+from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
 import torch
 from torch.autograd import grad_mode
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _backward
-from .._callsite import callee
+from .._callsite import callee, source_line
 from .._exceptions import SafetorchError
-from .._patch import Registry
-from .._report import internal_error, is_internal, report, user_frame
+from .._patch import Registry, registry
+from .._report import internal_error, is_internal, report_at, user_frame
 
 CODE = "ST003"
+TRAINING_CODE = "ST008"
+GROUP = "eval-mode"  # the patches ST003 and ST008 share: in place while either is installed
 
 _call_impl_code = torch.nn.Module._call_impl.__code__
-_is_compiling = torch.compiler.is_compiling
+_module_call_impl = torch.nn.Module._call_impl
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
+_tracing_state = torch._C._get_tracing_state
+_functorch = getattr(torch._C, "_functorch", None)
+_peek_interpreter = getattr(_functorch, "peek_interpreter_stack", None) or (lambda: None)
+
+_GRAPH_BUDGET = 200_000  # autograd nodes walked per watched forward; beyond it, assume the graph is needed
+_INPUT_BUDGET = 1_000  # objects looked at per forward when searching the inputs for a tensor requiring grad
+_ST008_PATIENCE = 16  # optimizer steps a site waits for one that trains its module before ST008 gives up
 
 
-class _State(threading.local):
-    explicit = False  # grad mode was switched on explicitly (enable_grad / set_grad_enabled(True))
-    active: list[torch.nn.Module]  # modules whose forward this thread runs under our no_grad
+class _Thread(threading.local):
+    explicit = False  # inside an explicit enable_grad / set_grad_enabled(True) / inference_mode(False) scope
+    #: Sites whose first forward this thread is running (a forward that calls autograd itself needs grad).
+    watching: list[_Site]
+    #: The site whose forward ran under our no_grad most recently, since the last backward began (for its error).
+    nograd: _Site | None = None
+    #: At the start of a backward: that site, and whether the backward starts from one of its live outputs.
+    suspect: tuple[_Site, bool] | None = None
 
     def __init__(self) -> None:
-        self.active = []
+        self.watching = []
 
 
-_state = _State()
-_enabled = False
-#: The modules the program put in eval mode, by id (they carry our hooks unless parked).
-_wanted: dict[int, weakref.ref[torch.nn.Module]] = {}
-_parked = False
-_other_threads = getattr(_thread, "_count", lambda: threading.active_count() - 1)
+_thread = _Thread()
+_codes: set[str] = set()  # which of ST003 / ST008 are installed
 
 
-@dataclass
-class _NoGradSite:
-    model: str
-    type_name: str
-    filename: str
-    lineno: int
+# --- sites -----------------------------------------------------------------------------------------------------
 
 
-#: The call sites whose eval-mode forward ran under no_grad, for the backward error message.
-_sites: dict[tuple[str, int], _NoGradSite] = {}
+class _Site:
+    """One call site of one module: its decision and what the watched first forward showed."""
+
+    __slots__ = ("backward", "filename", "globals", "kind", "lineno", "module", "name", "needs", "outputs",
+                 "state", "st008", "watched", "__weakref__")
+
+    WATCHING, TRAIN, EVAL, FROZEN = "watching", "train", "eval", "frozen"
+
+    def __init__(self, module: torch.nn.Module, frame: FrameType) -> None:
+        self.module = weakref.ref(module)
+        self.filename = frame.f_code.co_filename
+        self.lineno = frame.f_lineno
+        self.globals = frame.f_globals
+        self.name = callee(frame) or "model"
+        self.kind = type(module).__name__
+        self.state = _Site.WATCHING
+        self.watched = False  # its first forward ran (watched); the next one decides
+        self.needs: str | None = None  # why the site needs gradients, once known
+        self.backward = False  # a backward reached the watched forward's output or parameters
+        self.outputs: list[weakref.ref[torch.Tensor]] = []  # the last no_grad forward's outputs
+        self.st008 = 0  # optimizer steps seen while waiting for ST008
+
+    def needs_grad(self, reason: str) -> None:
+        if self.needs is None:
+            self.needs = reason
 
 
-class _Hook:
-    """A forward hook of ours: found by identity, deep-copied as itself, pickled as a built-in no-op."""
+class _Sites:
+    """The one owner of ST003/ST008 state: sites, guarded modules, the ST008 queue and its step hook."""
 
-    __slots__ = ()
+    def __init__(self) -> None:
+        self.sites: dict[tuple[str, int, int, int], _Site] = {}
+        #: Modules guarded because the program called their eval(): id -> (module, who put it in eval mode).
+        self.guarded: dict[int, tuple[weakref.ref[torch.nn.Module], str]] = {}
+        self.pending: list[_Site] = []  # sites waiting for an optimizer step (ST008)
+        self.step_hook: Any = None
+        self.lock = threading.Lock()
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (getattr, (None, "__init__"))
+    def site(self, module: torch.nn.Module, frame: FrameType) -> _Site | None:
+        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti, id(module))
+        site = self.sites.get(key)
+        if site is not None and site.module() is module:
+            return site
+        return None
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
-        return self
+    def add(self, module: torch.nn.Module, frame: FrameType) -> _Site:
+        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti, id(module))
+        site = _Site(module, frame)
+        with self.lock:
+            if len(self.sites) >= 4096:  # drop the sites of modules that are gone
+                self.sites = {k: s for k, s in self.sites.items() if s.module() is not None}
+            self.sites[key] = site
+        return site
+
+    def clear(self) -> None:
+        with self.lock:
+            self.sites.clear()
+            self.pending.clear()
+            if self.step_hook is not None:
+                self.step_hook.remove()
+                self.step_hook = None
+        _thread.nograd = _thread.suspect = None
 
 
-def _requires_grad(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.requires_grad
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
-    if isinstance(value, dict):
-        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in value.values())
-    return False
+_sites = _Sites()
+
+
+# --- the guard -------------------------------------------------------------------------------------------------
+
+
+class _Guard:
+    """Stands in the module's ``__dict__`` as ``_call_impl``; `Module._wrapped_call_impl` calls it with the forward's
+    arguments. Holds its module weakly, so that an eval-mode model is freed as soon as the program drops it."""
+
+    __slots__ = ("module", "__weakref__")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        module = self.module()
+        if module is None:  # a copy of a dead module's __dict__: nothing to guard
+            raise RuntimeError("safetorch: a module guard outlived its module")
+        if module.training or not _codes:
+            _unguard(module, self)
+            return _module_call_impl(module, *args, **kwargs)
+        if not _is_grad_enabled() or _thread.explicit:
+            return _module_call_impl(module, *args, **kwargs)
+        return _eval_forward(module, self, args, kwargs)
+
+    def __reduce__(self) -> Any:  # never pickled with a module (see `_getstate`); harmless if pickled alone
+        return (type(None), ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """The copy of a guarded module gets a guard of its own (``copy.deepcopy`` memoises the copy first)."""
+        module = self.module()
+        copy = memo.get(id(module)) if module is not None else None
+        if not isinstance(copy, torch.nn.Module):
+            return self  # the guard copied alone, not with its module
+        _remember(copy, _sites.guarded.get(id(module), (None, ""))[1])
+        return _Guard(copy)
+
+
+def _guard_of(module: torch.nn.Module) -> _Guard | None:
+    guard = module.__dict__.get("_call_impl")
+    return guard if isinstance(guard, _Guard) else None
+
+
+def _guard(module: torch.nn.Module, origin: str) -> None:
+    guard = _guard_of(module)
+    if guard is None or guard.module() is not module:
+        module.__dict__["_call_impl"] = _Guard(module)
+    _remember(module, origin)
+
+
+def _remember(module: torch.nn.Module, origin: str) -> None:
+    key, guarded = id(module), _sites.guarded  # bound now: the callback may run at interpreter exit
+    guarded[key] = (weakref.ref(module, lambda _, key=key, guarded=guarded: guarded.pop(key, None)), origin)
+
+
+def _unguard(module: torch.nn.Module, guard: _Guard | None = None) -> None:
+    d = module.__dict__
+    if isinstance(d.get("_call_impl"), _Guard) and (guard is None or d["_call_impl"] is guard):
+        del d["_call_impl"]
+    _sites.guarded.pop(id(module), None)
 
 
 def _nested(frame: FrameType | None) -> bool:
-    """True when, above this module's own ``_call_impl``, another module's ``_call_impl`` is running."""
-    seen = 0
+    """True when another module's ``_call_impl`` runs above this call: a parent's forward called this module."""
     while frame is not None:
         if frame.f_code is _call_impl_code:
-            seen += 1
-            if seen > 1:
-                return True
+            return True
         frame = frame.f_back
     return False
 
 
-def _message(frame: FrameType, module: torch.nn.Module) -> str:
-    name = callee(frame) or "model"
-    kind = type(module).__name__
-    _sites[(frame.f_code.co_filename, frame.f_lineno)] = _NoGradSite(name, kind, frame.f_code.co_filename,
-                                                                      frame.f_lineno)
-    return (f"{CODE} {name} ({kind}) is in eval mode with autograd on: eval() does not disable gradients, so this "
-            f"forward would keep every activation for a backward that never comes; safetorch ran it under "
-            f"torch.no_grad(). Write: `with torch.no_grad():` around the evaluation (or `with torch.enable_grad():` "
-            f"to train through an eval-mode forward)")
+def _passthrough() -> bool:
+    return bool(_is_compiling() or _tracing_state() or _peek_interpreter() is not None)
 
 
-class _PreHook(_Hook):
-    __slots__ = ()
+def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An eval-mode forward with grad on and not asked for: watch it, run it under no_grad, or leave it alone."""
+    __tracebackhide__ = True  # noqa: F841
+    site = None
+    try:
+        if not _passthrough():
+            site = _site_for(module, guard, sys._getframe(2))
+    except Exception as exc:
+        internal_error(CODE, exc)
+    if site is None or site.state is _Site.TRAIN or site.state is _Site.FROZEN:
+        return _module_call_impl(module, *args, **kwargs)
+    if site.state is _Site.WATCHING:
+        if not site.watched:
+            return _watched(module, site, args, kwargs)
+        _decide(site)  # may raise: a strict-mode or -W error finding
+        if site.state is not _Site.EVAL:
+            return _module_call_impl(module, *args, **kwargs)
+    if _inputs_require_grad(args, kwargs):
+        return _module_call_impl(module, *args, **kwargs)
+    _set_grad_enabled(False)
+    try:
+        output = _module_call_impl(module, *args, **kwargs)
+    finally:
+        _set_grad_enabled(True)
+    _keep_outputs(site, output)
+    return output
 
-    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        __tracebackhide__ = True  # noqa: F841
-        try:
-            # Cheapest first: a validation loop under no_grad leaves at the first test.
-            if (not _is_grad_enabled() or _state.explicit or not _enabled or module.training or _is_compiling()
-                    or any(map(_requires_grad, args)) or any(map(_requires_grad, kwargs.values()))
-                    or not any(p.requires_grad for p in module.parameters())):
-                return None
-            frame = sys._getframe(1)
-            if _nested(frame):
-                return None
-            caller = user_frame(frame)
-            if caller is None:
-                return None
-            report(CODE, caller, lambda: _message(caller, module))
-            _set_grad_enabled(False)
-            _state.active.append(module)
-        except Exception as exc:  # strict-mode findings pass through internal_error
-            internal_error(CODE, exc)
+
+def _site_for(module: torch.nn.Module, guard: _Guard, frame: FrameType) -> _Site | None:
+    caller = user_frame(frame)
+    if caller is None:
+        return None
+    site = _sites.site(module, caller)
+    if site is not None:
+        return site
+    if _nested(frame):
+        _unguard(module, guard)  # a child of a running forward: its parent decides
+        return None
+    site = _sites.add(module, caller)
+    if not any(p.requires_grad for p in module.parameters()):
+        site.state = _Site.FROZEN  # nothing to record, nothing to save
+    return site
+
+
+def _watched(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The first forward at a site: exactly as written, with grad; then look at what its output's graph reaches."""
+    __tracebackhide__ = True  # noqa: F841
+    site.watched = True
+    _thread.watching.append(site)
+    try:
+        output = _module_call_impl(module, *args, **kwargs)
+    finally:
+        _thread.watching.remove(site)
+    try:
+        _inspect(module, site, output)
+    except Exception as exc:
+        site.needs_grad("internal")  # when in doubt, never touch the site
+        internal_error(CODE, exc)
+    return output
+
+
+def _tensors(value: Any, budget: list[int]) -> list[torch.Tensor]:
+    """The tensors in a forward's output or inputs, at any depth: containers, mappings (ModelOutput), dataclasses."""
+    found: list[torch.Tensor] = []
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        budget[0] -= 1
+        if budget[0] < 0:
+            break
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+            continue
+        if id(v) in seen or v is None or isinstance(v, (str, bytes, int, float, bool, torch.nn.Module)):
+            continue
+        seen.add(id(v))
+        if isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            stack.extend(getattr(v, f.name, None) for f in dataclasses.fields(v))
+        elif hasattr(v, "__dict__") and not isinstance(v, type) and not callable(v):
+            stack.extend(vars(v).values())
+    return found
+
+
+def _inputs_require_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    budget = [_INPUT_BUDGET]
+    found = _tensors((args, kwargs), budget)
+    return budget[0] < 0 or any(t.requires_grad for t in found)
+
+
+def _inspect(module: torch.nn.Module, site: _Site, output: Any) -> None:
+    """Walk the watched output's graph. A leaf that is not our parameter means the graph is needed; every other node
+    gets a pre-hook, so that a backward through any part of this forward's graph (its output, or activations that
+    a hook captured) is seen. The hooks live as long as that graph; parameters' accumulators, shared with every other
+    graph of the module, get none."""
+    params = {id(p) for p in module.parameters()}
+    reached = _Reached(site)
+    stack = list({t.grad_fn for t in _tensors(output, [_INPUT_BUDGET]) if t.grad_fn is not None})
+    seen = set(stack)
+    budget = _GRAPH_BUDGET
+    while stack:
+        budget -= 1
+        if budget < 0:
+            site.needs_grad("a graph too large to inspect")
+            return
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            if id(variable) not in params:
+                site.needs_grad("a tensor that is not its parameter")
+                return
+            continue
+        node.register_prehook(reached)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+
+
+class _Reached:
+    """A pre-hook on the nodes of a watched forward's graph: a backward went through it. Lives with that graph."""
+
+    __slots__ = ("site",)
+
+    def __init__(self, site: _Site) -> None:
+        self.site = weakref.ref(site)
+
+    def __call__(self, grad_outputs: Any) -> None:
+        site = self.site()
+        if site is not None and _codes and not (site.backward and site.state is not _Site.EVAL):
+            try:
+                _backward_reached(site)
+            except Exception as exc:  # our SafetorchError goes through
+                internal_error(CODE, exc)
         return None
 
 
-class _PostHook(_Hook):
-    __slots__ = ()
-
-    def __call__(self, module: torch.nn.Module, *rest: Any) -> None:
-        # Called as (module, args, kwargs, output), or (module, args, output) when the forward raised.
-        active = _state.active
-        if active and active[-1] is module:
-            active.pop()
-            _set_grad_enabled(True)
-
-
-_PRE = _PreHook()
-_POST = _PostHook()
+def _backward_reached(site: _Site) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    site.needs_grad("a backward")
+    if site.state is _Site.EVAL:
+        raise SafetorchError(_lost_message(site), code=CODE, filename=site.filename, lineno=site.lineno)
+    if not site.backward:
+        site.backward = True
+        if TRAINING_CODE in _codes:
+            _arm_st008(site)
 
 
-# Our hooks sit under fixed keys (torch's own handle ids count up from 0): attaching and detaching are a few dict
-# operations, with no scan, no RemovableHandle, and nothing that grows when eval() and train() alternate.
-_PRE_KEY = -0x5AFE
-_POST_KEY = -0x5AFF
-_TABLES = (
-    ("_forward_pre_hooks", _PRE_KEY, _PRE, ("_forward_pre_hooks_with_kwargs",)),
-    ("_forward_hooks", _POST_KEY, _POST, ("_forward_hooks_with_kwargs", "_forward_hooks_always_called")),
-)
+def _decide(site: _Site) -> None:
+    """The second forward at a site: it needs gradients, or it is an evaluation (ST003, no_grad from now on)."""
+    __tracebackhide__ = True  # noqa: F841
+    if site.needs is not None:
+        site.state = _Site.TRAIN
+        return
+    site.state = _Site.EVAL
+    if CODE in _codes:
+        report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site))
+    else:
+        site.state = _Site.TRAIN  # ST008 alone: observe, never change anything
 
 
-def _has_ours(module: torch.nn.Module) -> bool:
-    return module.__dict__.get("_forward_pre_hooks", {}).get(_PRE_KEY) is _PRE
-
-
-def _detach(module: torch.nn.Module) -> None:
-    d = module.__dict__
-    for table, key, _, extras in _TABLES:
-        if key in d.get(table, ()):
-            del d[table][key]
-            for extra in extras:
-                d.get(extra, {}).pop(key, None)
-
-
-def _attach(module: torch.nn.Module) -> None:
-    d = module.__dict__
-    for table, key, hook, extras in _TABLES:
-        d[table][key] = hook  # replaces a relic of a pickled copy (a no-op) under the same key
-        for extra in extras:
-            d.setdefault(extra, {})[key] = True  # a torch without the table simply ignores it
-
-
-def _should_park() -> bool:
-    """Grad mode is off in the only thread and no forward of ours is running (its post hook must stay)."""
-    return not _is_grad_enabled() and not _state.active and _other_threads() == 0
-
-
-def _apply(park: bool) -> None:
-    global _parked
-    _parked = park
-    for ref in list(_wanted.values()):
-        module = ref()
-        if module is not None:
-            (_detach if park else _attach)(module)
-
-
-def _repark() -> None:
-    """After a change of grad mode: park or unpark the hooks when the answer changed. Called only while `_wanted`."""
+def _keep_outputs(site: _Site, output: Any) -> None:
     try:
-        park = _should_park()
-        if park is not _parked:
-            _apply(park)
+        site.outputs = [weakref.ref(t) for t in _tensors(output, [64])]
+        _thread.nograd = site
     except Exception as exc:
         internal_error(CODE, exc)
 
 
-def _want(module: torch.nn.Module) -> None:
-    key = id(module)
-    _wanted[key] = weakref.ref(module, lambda _, key=key: _wanted.pop(key, None))
-    _apply(_should_park())
+def _message(site: _Site) -> str:
+    return (f"{CODE} {site.name} ({site.kind}) is in eval mode with autograd on: eval() does not disable gradients, "
+            f"so each forward here would keep every activation for a backward that never comes. safetorch watched "
+            f"the first forward at this line, saw nothing use its graph, and runs the next ones under "
+            f"torch.no_grad(). Write: `with torch.no_grad():` around the evaluation (or {site.name}.train() if you "
+            f"train through this forward)")
 
 
-def _unwant(module: torch.nn.Module) -> None:
-    _wanted.pop(id(module), None)
-    _detach(module)
+def _lost_message(site: _Site) -> str:
+    return (f"{CODE} backward() reached the output of {site.name} ({site.kind}) at {site.filename}:{site.lineno}, a "
+            f"forward of an eval-mode model that safetorch took for an evaluation: nothing had used the graph of its "
+            f"first forward when the second ran, so the later forwards there ran under torch.no_grad() and give no "
+            f"gradient. To train through it: call {site.name}.train() before the forward, or wrap the forward in "
+            f"`with torch.enable_grad():`, or switch this check off with SAFETORCH_IGNORE=ST003.")
 
+
+# --- ST008: an optimizer trains a model that is in eval mode ---------------------------------------------------
+
+
+def _arm_st008(site: _Site) -> None:
+    with _sites.lock:
+        if site in _sites.pending:
+            return
+        site.st008 = 0
+        _sites.pending.append(site)
+        if _sites.step_hook is None:
+            _sites.step_hook = register_optimizer_step_pre_hook(_step_pre_hook)
+
+
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+        found, waiting = [], []
+        for site in list(_sites.pending):
+            module = site.module()
+            site.st008 += 1
+            if module is not None and any(id(p) in held for p in module.parameters()):
+                found.append((site, module))
+            elif module is not None and site.st008 < _ST008_PATIENCE:
+                waiting.append(site)
+        with _sites.lock:
+            _sites.pending = waiting
+            if not waiting and _sites.step_hook is not None:
+                _sites.step_hook.remove()
+                _sites.step_hook = None
+    except Exception as exc:
+        internal_error(TRAINING_CODE, exc)
+        return
+    for site, module in found:
+        report_at(TRAINING_CODE, site.filename, site.lineno, site.globals,
+                  lambda s=site, m=module: _st008_message(s, m))
+
+
+def _st008_message(site: _Site, module: torch.nn.Module) -> str:
+    origin = _sites.guarded.get(id(module), (None, ""))[1] or "an eval() call"
+    return (f"{TRAINING_CODE} {site.name} ({site.kind}) is trained in eval mode: an optimizer updates its parameters, "
+            f"but dropout is off and BatchNorm uses its running statistics. It was put in eval mode by {origin}. "
+            f"Write: {site.name}.train() before the training loop (or SAFETORCH_IGNORE=ST008 if you train it in eval "
+            f"mode on purpose)")
+
+
+# --- who put a module in eval mode ---------------------------------------------------------------------------
+
+_LIBRARY_DIRS = tuple(
+    os.path.abspath(p) + os.sep for p in {sysconfig.get_paths().get(k) for k in ("purelib", "platlib", "stdlib")} if p
+)
+
+
+def _library(code: Any) -> bool:
+    filename = code.co_filename
+    return filename.startswith("<frozen") or os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+
+
+def _origin(frame: FrameType | None) -> str:
+    """Who called ``eval()``: the program's own line, or a library function (``from_pretrained``) and the program's
+    line that called it."""
+    frame = user_frame(frame)
+    while frame is not None and frame.f_code.co_name in ("train", "eval"):  # a subclass's own train()/eval()
+        frame = user_frame(frame.f_back)
+    if frame is None:
+        return "an eval() call"
+    code = frame.f_code
+    where = f"{code.co_filename}:{frame.f_lineno}"
+    name = f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}()"
+    if _library(code):
+        text = f"{name} at {where}"
+    else:
+        text = f"`{source_line(frame) or 'eval()'}` at {where}"
+        if code.co_name == "<module>":
+            return text
+        text += f" in {name}"
+    outer = frame.f_back
+    while outer is not None and (is_internal(outer.f_code) or _library(outer.f_code)
+                                 or outer.f_code.co_filename == code.co_filename):
+        outer = outer.f_back
+    return text + (f", called from {outer.f_code.co_filename}:{outer.f_lineno}" if outer is not None else "")
+
+
+# --- patches ---------------------------------------------------------------------------------------------------
 
 _train_code = torch.nn.Module.train.__code__
 
 
-def _script(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """TorchScript compiles a module's hooks with it: ours are taken off while it compiles, and put back."""
-    obj = args[0] if args else kwargs.get("obj")
-    hidden = []
-    try:
-        if isinstance(obj, torch.nn.Module):
-            hidden = [m for m in obj.modules() if _has_ours(m)]
-            for m in hidden:
-                _detach(m)
-    except Exception as exc:
-        internal_error(CODE, exc)
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        for m in hidden:
-            if not _parked or id(m) not in _wanted:  # a parked module gets them back when grad mode comes on
-                _attach(m)
-
-
 def _train(original: Any) -> Any:
     """``Module.train``, as a plain function (see `Registry.replace`): torch's ``train()`` calls it again for every
-    child, so a model of 150 modules calls it 150 times per ``train()``/``eval()``.
-
-    Hooks go on the module whose eval() the program called, not on each child a parent's train() recurses into:
-    the children's forwards run inside the parent's, where ST003 leaves them alone anyway."""
+    child. The guard goes on the module whose eval() the program called, not on the children it recurses into."""
 
     def train(self: Any, mode: bool = True) -> Any:
         result = original(self, mode)
-        if _is_compiling():
-            return result
         try:
             if self.training:
-                if id(self) in _wanted or _PRE_KEY in self.__dict__.get("_forward_pre_hooks", ()):
-                    _unwant(self)
-                if _state.active and any(m is self for m in _state.active):
-                    # A KeyboardInterrupt inside our no_grad forward skips the always-called hook (torch calls it
-                    # for Exception only): heal when the program goes back to training, e.g. in the next cell.
-                    _state.active = [m for m in _state.active if m is not self]
-                    _set_grad_enabled(True)
-            elif sys._getframe(1).f_code is not _train_code and not isinstance(self, torch.jit.ScriptModule):
-                _want(self)
+                if "_call_impl" in self.__dict__:
+                    _unguard(self)
+            elif (not _is_compiling() and sys._getframe(1).f_code is not _train_code
+                  and not isinstance(self, torch.jit.ScriptModule)):
+                _guard(self, _origin(sys._getframe(1)))
         except Exception as exc:
             internal_error(CODE, exc)
         return result
@@ -286,93 +535,134 @@ def _train(original: Any) -> Any:
     return train
 
 
-# --- explicit grad mode, per thread ---------------------------------------------------------------------------
+_deepcopy_code = __import__("copy").deepcopy.__code__
 
 
-def _enable_enter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    instance._safetorch_explicit = _state.explicit
-    _state.explicit = True
+def _getstate(original: Any) -> Any:
+    """``Module.__getstate__``: the guard stays out of pickles and shallow copies; ``copy.deepcopy`` gives the copy its
+    own guard."""
+
+    def __getstate__(self: Any) -> Any:
+        state = original(self)
+        if isinstance(state, dict) and isinstance(state.get("_call_impl"), _Guard):
+            caller = sys._getframe(1)
+            if caller.f_code is not _deepcopy_code:
+                del state["_call_impl"]
+        return state
+
+    return __getstate__
+
+
+def _replicate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """DataParallel copies each module's ``__dict__`` into its replicas: they run without the guard."""
+    replica = wrapped(*args, **kwargs)
+    if isinstance(replica.__dict__.get("_call_impl"), _Guard):
+        del replica.__dict__["_call_impl"]
+    return replica
+
+
+def _enter_explicit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``__enter__`` of a scope that switches grad on (or inference mode off) on purpose: ST003 is off inside it."""
     result = wrapped(*args, **kwargs)
-    if _wanted:
-        _repark()
+    if isinstance(instance, grad_mode.inference_mode):
+        explicit = getattr(instance, "mode", True) is False
+    else:  # enable_grad, or set_grad_enabled(mode)
+        explicit = bool(getattr(instance, "mode", True))
+    if explicit:
+        instance._safetorch_explicit = _thread.explicit
+        _thread.explicit = True
     return result
 
 
-def _restore_exit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    _state.explicit = getattr(instance, "_safetorch_explicit", False)
-    result = wrapped(*args, **kwargs)
-    if _wanted:
-        _repark()
-    return result
+def _exit_explicit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    previous = instance.__dict__.pop("_safetorch_explicit", None)
+    if previous is not None:
+        _thread.explicit = previous
+    return wrapped(*args, **kwargs)
 
 
-def _set_init(original: Any) -> Any:
-    """``set_grad_enabled.__init__``, which sets the mode (torch's no_grad and optimizer steps call it too)."""
-
-    def __init__(self: Any, mode: bool) -> None:  # torch's signature since 1.x; no **kwargs dict per call
-        original(self, mode)
-        try:
-            explicit = _state.explicit
-            self._safetorch_explicit = explicit
-            # torch itself calls set_grad_enabled(prev) to restore a mode (no_grad.__exit__, optimizer steps): that
-            # is not the program asking. Only a change of the flag needs to look at the caller.
-            if bool(self.mode) is not explicit and not is_internal(sys._getframe(1).f_code):
-                _state.explicit = not explicit
-            if _wanted:
-                _repark()
-        except Exception as exc:
-            internal_error(CODE, exc)
-
-    return __init__
+def _autograd_in_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch.autograd.grad`` / ``Tensor.register_hook`` inside a watched forward: that site needs its graph."""
+    for site in _thread.watching:
+        site.needs_grad("autograd inside its forward")
+    return wrapped(*args, **kwargs)
 
 
-def _repark_after(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``inference_mode`` switches grad mode in C++: park or unpark after its ``__enter__`` and ``__exit__``."""
-    result = wrapped(*args, **kwargs)
-    if _wanted:
-        _repark()
-    return result
-
-
-# --- the backward error -----------------------------------------------------------------------------------------
-
-
-def _backward_message(error: BaseException) -> str:
-    sites = list(_sites.values())[-3:]
-    where = "; ".join(f"{s.model} ({s.type_name}) at {s.filename}:{s.lineno}" for s in sites)
-    first = sites[-1].model if sites else "model"
-    return (f"{CODE} backward() failed: {error}. safetorch ran the eval-mode forward of {where} under "
-            f"torch.no_grad(), so its output carries no graph. To train through it: call {first}.train() before the "
-            f"forward, or wrap the forward in `with torch.enable_grad():`, or switch this check off with "
-            f"SAFETORCH_IGNORE=ST003.")
+def _before_backward(tensors: Any, caller: FrameType) -> None:
+    thread = _thread
+    if thread.watching:
+        for site in thread.watching:
+            site.needs_grad("a backward inside its forward")
+    site = thread.nograd
+    if site is None:
+        thread.suspect = None
+        return
+    thread.nograd = None
+    # Still alive at the backward (``out = model(x)``, then ``loss = f(out)``): the backward most likely starts there.
+    thread.suspect = (site, any(r() is not None for r in site.outputs))
 
 
 def _backward_error(error: RuntimeError) -> BaseException | None:
-    if _sites and "does not require grad" in str(error):
-        return SafetorchError(_backward_message(error), code=CODE)
+    """torch's "does not require grad" error after a forward that we ran under no_grad, in this thread, since the last
+    backward. When that forward's output is still alive (``out = model(x)``; ``loss = f(out)``) the backward starts
+    from it: a `SafetorchError` says why there is no graph. Otherwise torch's error keeps its type and message, and
+    gets a note naming that forward as a possible cause."""
+    suspect, _thread.suspect = _thread.suspect, None
+    if suspect is None or "does not require grad" not in str(error):
+        return None
+    site, starts_there = suspect
+    why = (f"safetorch ran the eval-mode forward of {site.name} ({site.kind}) at {site.filename}:{site.lineno} under "
+           f"torch.no_grad() (nothing had used the graph of the first forward there), so its output carries no graph. "
+           f"To train through it: call {site.name}.train() before the forward, or wrap the forward in "
+           f"`with torch.enable_grad():`, or switch this check off with SAFETORCH_IGNORE=ST003.")
+    if starts_there:
+        return SafetorchError(f"{CODE} backward() failed: {error}. {why}", code=CODE)
+    if hasattr(error, "add_note"):
+        error.add_note(f"{CODE} note: if this loss comes from that forward: {why}")
     return None
 
 
+def _install_shared(registry: Registry) -> None:
+    registry.replace(torch.nn.Module, "train", _train, GROUP)
+    registry.replace(torch.nn.Module, "__getstate__", _getstate, GROUP)
+    registry.wrap(torch.nn.Module, "_replicate_for_data_parallel", _replicate, GROUP)
+    for cls in (grad_mode.enable_grad, grad_mode.set_grad_enabled, grad_mode.inference_mode):
+        registry.wrap(cls, "__enter__", _enter_explicit, GROUP)
+        registry.wrap(cls, "__exit__", _exit_explicit, GROUP)
+    registry.wrap(torch.autograd, "grad", _autograd_in_forward, GROUP)
+    registry.wrap(torch.Tensor, "register_hook", _autograd_in_forward, GROUP)
+    _backward.listen(CODE, before=_before_backward, on_error=_backward_error)
+
+
+def enable(code: str, registry: Registry = registry) -> None:
+    if not _codes:
+        _install_shared(registry)
+    _codes.add(code)
+
+
+def disable(code: str) -> None:
+    """Switch one of ST003/ST008 off; with both off, take every patch and guard away and forget every site."""
+    _codes.discard(code)
+    if _codes:
+        return
+    _backward.unlisten(CODE)
+    registry.restore(GROUP)
+    for ref, _ in list(_sites.guarded.values()):
+        module = ref()
+        if module is not None:
+            _unguard(module)
+    _sites.guarded.clear()
+    _sites.clear()
+
+
+def reset() -> None:
+    """Forget every call site (tests, and programs that want ST003 to watch again)."""
+    _sites.clear()
+
+
 def install(registry: Registry) -> None:
-    global _enabled
-    _enabled = True
-    registry.replace(torch.nn.Module, "train", _train, CODE)
-    registry.wrap(torch.jit, "script", _script, CODE)
-    registry.wrap(grad_mode.enable_grad, "__enter__", _enable_enter, CODE)
-    registry.wrap(grad_mode.enable_grad, "__exit__", _restore_exit, CODE)
-    registry.replace(grad_mode.set_grad_enabled, "__init__", _set_init, CODE)
-    registry.wrap(grad_mode.set_grad_enabled, "__exit__", _restore_exit, CODE)
-    registry.wrap(grad_mode.set_grad_enabled, "__call__", _restore_exit, CODE)
-    registry.wrap(grad_mode.inference_mode, "__enter__", _repark_after, CODE)
-    registry.wrap(grad_mode.inference_mode, "__exit__", _repark_after, CODE)
-    _backward.listen(CODE, on_error=_backward_error)
+    enable(CODE, registry)
 
 
 def uninstall() -> None:
-    """Take our hooks off every module we attached them to; hooks on copies we never saw become no-ops."""
-    global _enabled, _parked
-    _enabled = False
-    _backward.unlisten(CODE)
-    _apply(True)  # every hook off
-    _wanted.clear()
-    _parked = False
+    disable(CODE)
