@@ -26,13 +26,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> Callable[[], float]:
-    """A miniature epoch: ``steps`` training steps, then ``steps`` validation steps under no_grad, as a real loop."""
+def make_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
+               frozen_bn: bool = False) -> Callable[[], float]:
+    """A miniature epoch: ``steps`` training steps, then ``steps`` validation steps under no_grad, as a real loop.
+
+    ``frozen_bn``: after ``model.train()`` every BatchNorm is put in eval mode by the program (fine-tuning with
+    frozen statistics), which gives ST003 one ``eval()`` call per BatchNorm per epoch to follow."""
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
     def epoch() -> float:
         model.train()
+        if frozen_bn:
+            models.freeze_batchnorm(model)
         for _ in range(steps):
             loss = criterion(model(x), y)
             optimizer.zero_grad(set_to_none=True)
@@ -93,6 +99,11 @@ def run(quick: bool) -> dict[str, Any]:
     for label, (model, x, classes, steps, cpu_rounds) in cpu.items():
         y = torch.randint(0, classes, (x.shape[0],))
         out[label] = measure(make_epoch(model, x, y, steps), "cpu", steps, cpu_rounds, warmup=1)
+    x = torch.randn(4, 3, 32, 32)
+    steps = 3 if quick else 5
+    out["cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"] = measure(
+        make_epoch(models.resnet18_like(), x, torch.randint(0, 10, (4,)), steps, frozen_bn=True), "cpu", steps,
+        6 if quick else 40, warmup=1)
     if torch.cuda.is_available():
         gpu = {
             "cuda ResNet-like (batch 64, 32x32)": (models.resnet_like(), torch.randn(64, 3, 32, 32)),

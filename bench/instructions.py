@@ -1,4 +1,5 @@
-"""``python -m bench.instructions [--steps N] [--json PATH]``: the tiny-MLP loop's cost counted in instructions.
+"""``python -m bench.instructions [--loop tiny_mlp|frozen_bn] [--steps N] [--json PATH]``: a loop's cost counted in
+instructions.
 
 Timings on a shared machine move by several percent between runs, whatever the repeats; the number of instructions
 the CPU executes does not. This runs the end-to-end tiny-MLP epoch (`bench.endtoend.make_epoch`: training steps,
@@ -28,8 +29,12 @@ _PROGRAM = textwrap.dedent("""\
     from bench import models
     from bench.endtoend import make_epoch
     torch.manual_seed(0)
-    model, x = models.tiny_mlp(), torch.randn(1, 16)
-    epoch = make_epoch(model, x, torch.randint(0, 10, (1,)), int(os.environ["BENCH_STEPS"]))
+    if os.environ["BENCH_LOOP"] == "frozen_bn":
+        model, x = models.resnet18_like(), torch.randn(4, 3, 32, 32)
+    else:
+        model, x = models.tiny_mlp(), torch.randn(1, 16)
+    epoch = make_epoch(model, x, torch.randint(0, 10, (x.shape[0],)), int(os.environ["BENCH_STEPS"]),
+                       frozen_bn=os.environ["BENCH_LOOP"] == "frozen_bn")
     if os.environ["BENCH_SAFETORCH"] == "0":
         safetorch.uninstall()
     epoch(); epoch()                                         # warm-up: not counted
@@ -37,8 +42,12 @@ _PROGRAM = textwrap.dedent("""\
 """)
 
 
-def _launch(on: bool, steps: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_SAFETORCH": "1" if on else "0",
+LOOPS = {"tiny_mlp": "cpu tiny MLP (batch 1)",
+         "frozen_bn": "cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"}
+
+
+def _launch(on: bool, steps: int, loop: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_SAFETORCH": "1" if on else "0", "BENCH_LOOP": loop,
            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce", "--callgrind-out-file=/dev/null",
            sys.executable, "-c", _PROGRAM]
@@ -53,13 +62,13 @@ def _collected(proc: subprocess.Popen[str]) -> int:
     return int(match.group(1).replace(",", ""))
 
 
-def run(steps: int) -> dict[str, Any]:
+def run(steps: int, loop: str = "tiny_mlp") -> dict[str, Any]:
     """Both runs side by side (one per core); counts per training + validation step pair."""
-    procs = {"without": _launch(False, steps), "with": _launch(True, steps)}
+    procs = {"without": _launch(False, steps, loop), "with": _launch(True, steps, loop)}
     counts = {k: _collected(p) for k, p in procs.items()}
     pairs = 2 * steps  # two counted epochs of `steps` training and `steps` validation steps
     return {
-        "loop": "cpu tiny MLP (batch 1)",
+        "loop": LOOPS[loop],
         "steps_per_epoch": steps,
         "instructions": counts,
         "per_step_pair": {k: round(v / pairs) for k, v in counts.items()},
@@ -69,7 +78,9 @@ def run(steps: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="training (and validation) steps per epoch")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training (and validation) steps per epoch (default: 100 for tiny_mlp, 5 for frozen_bn)")
+    parser.add_argument("--loop", choices=sorted(LOOPS), default="tiny_mlp", help="which loop to count")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
@@ -79,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     result = {"machine": bench_main.machine(), "valgrind": version, "date": datetime.date.today().isoformat(),
-              **run(args.steps)}
+              **run(args.steps or (5 if args.loop == "frozen_bn" else 100), args.loop)}
     print(f"{result['loop']}: {result['per_step_pair']['without']} instructions per training + validation step "
           f"without safetorch, {result['per_step_pair']['with']} with it: {result['overhead_pct']:+.2f}%")
     if args.json:

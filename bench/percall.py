@@ -79,6 +79,10 @@ def measure(owner: Any, names: str | tuple[str, ...], stmt: Callable[[], Any], *
     return out
 
 
+def _no_hook(grad: torch.Tensor) -> None:
+    return None
+
+
 def cases() -> list[tuple[str, Any, str | tuple[str, ...], Callable[[], Any], bool]]:
     """(label, owner, attribute, statement, is_method) for every API safetorch wraps, with small CPU inputs."""
     import torch.nn.functional as F
@@ -90,6 +94,7 @@ def cases() -> list[tuple[str, Any, str | tuple[str, ...], Callable[[], Any], bo
     module = torch.nn.Linear(4, 4)
     w = torch.ones(4, requires_grad=True)
     graph = (w * 2).sum()
+    w2 = torch.ones(4, requires_grad=True)
     variable_meta = type(torch.autograd.Variable)
     sink: list[Any] = [None]
     out: list[tuple[str, Any, str | tuple[str, ...], Callable[[], Any], bool]] = []
@@ -133,6 +138,12 @@ def cases() -> list[tuple[str, Any, str | tuple[str, ...], Callable[[], Any], bo
         with torch.inference_mode():
             pass
 
+    def autograd_grad() -> None:
+        sink[0] = torch.autograd.grad(graph, w, retain_graph=True)
+
+    def register_hook() -> None:
+        w2.register_hook(_no_hook).remove()
+
     def variable() -> None:
         sink[0] = torch.autograd.Variable(x)
 
@@ -151,10 +162,12 @@ def cases() -> list[tuple[str, Any, str | tuple[str, ...], Callable[[], Any], bo
     add("ST003 Module.train()", torch.nn.Module, "train", train)
     add("ST003 with torch.enable_grad(): (__enter__, __exit__)", torch.autograd.grad_mode.enable_grad,
         ("__enter__", "__exit__"), enable_grad)
-    add("ST003 with torch.set_grad_enabled(True): (__init__, __exit__)",
-        torch.autograd.grad_mode.set_grad_enabled, ("__init__", "__exit__"), set_grad_enabled)
+    add("ST003 with torch.set_grad_enabled(True): (__enter__, __exit__)",
+        torch.autograd.grad_mode.set_grad_enabled, ("__enter__", "__exit__"), set_grad_enabled)
     add("ST003 with torch.inference_mode(): (__enter__, __exit__)", torch.autograd.grad_mode.inference_mode,
         ("__enter__", "__exit__"), inference_mode)
+    add("ST003 torch.autograd.grad", torch.autograd, "grad", autograd_grad, False)
+    add("ST003 tensor.register_hook(fn).remove()", torch.Tensor, "register_hook", register_hook)
     add("ST004 1.0 + tensor (Tensor.__radd__)", torch.Tensor, "__radd__", radd)
     add("ST005 Variable(x) (VariableMeta.__call__)", variable_meta, "__call__", variable)
     add("ST003/ST006 loss.backward() (torch.autograd.backward)", torch.autograd, "backward", backward, False)

@@ -40,6 +40,7 @@ Design rules:
 from __future__ import annotations
 
 import dataclasses
+import linecache
 import os
 import sys
 import sysconfig
@@ -54,7 +55,7 @@ from torch.autograd import grad_mode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _backward
-from .._callsite import callee, source_line
+from .._callsite import callee
 from .._exceptions import SafetorchError
 from .._patch import Registry, registry
 from .._report import internal_error, is_internal, report_at, user_frame
@@ -75,6 +76,10 @@ _peek_interpreter = getattr(_functorch, "peek_interpreter_stack", None) or (lamb
 _GRAPH_BUDGET = 200_000  # autograd nodes walked per watched forward; beyond it, assume the graph is needed
 _INPUT_BUDGET = 1_000  # objects looked at per forward when searching the inputs for a tensor requiring grad
 _ST008_PATIENCE = 16  # optimizer steps a site waits for one that trains its module before ST008 gives up
+
+
+#: Where ``eval()`` was called: (file, line, qualified function, in a library?, the program's line that called it).
+Origin = tuple[str, int, str, bool, str]
 
 
 class _Thread(threading.local):
@@ -130,7 +135,7 @@ class _Sites:
     def __init__(self) -> None:
         self.sites: dict[tuple[str, int, int, int], _Site] = {}
         #: Modules guarded because the program called their eval(): id -> (module, who put it in eval mode).
-        self.guarded: dict[int, tuple[weakref.ref[torch.nn.Module], str]] = {}
+        self.guarded: dict[int, tuple[weakref.ref[torch.nn.Module], Origin | None]] = {}
         self.pending: list[_Site] = []  # sites waiting for an optimizer step (ST008)
         self.step_hook: Any = None
         self.lock = threading.Lock()
@@ -197,7 +202,7 @@ class _Guard:
         copy = memo.get(id(module)) if module is not None else None
         if not isinstance(copy, torch.nn.Module):
             return self  # the guard copied alone, not with its module
-        _remember(copy, _sites.guarded.get(id(module), (None, ""))[1])
+        _remember(copy, _sites.guarded.get(id(module), (None, None))[1])
         return _Guard(copy)
 
 
@@ -206,14 +211,14 @@ def _guard_of(module: torch.nn.Module) -> _Guard | None:
     return guard if isinstance(guard, _Guard) else None
 
 
-def _guard(module: torch.nn.Module, origin: str) -> None:
+def _guard(module: torch.nn.Module, origin: Origin | None) -> None:
     guard = _guard_of(module)
     if guard is None or guard.module() is not module:
         module.__dict__["_call_impl"] = _Guard(module)
     _remember(module, origin)
 
 
-def _remember(module: torch.nn.Module, origin: str) -> None:
+def _remember(module: torch.nn.Module, origin: Origin | None) -> None:
     key, guarded = id(module), _sites.guarded  # bound now: the callback may run at interpreter exit
     guarded[key] = (weakref.ref(module, lambda _, key=key, guarded=guarded: guarded.pop(key, None)), origin)
 
@@ -466,7 +471,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
 
 
 def _st008_message(site: _Site, module: torch.nn.Module) -> str:
-    origin = _sites.guarded.get(id(module), (None, ""))[1] or "an eval() call"
+    origin = _describe(_sites.guarded.get(id(module), (None, None))[1])
     return (f"{TRAINING_CODE} {site.name} ({site.kind}) is trained in eval mode: an optimizer updates its parameters, "
             f"but dropout is off and BatchNorm uses its running statistics. It was put in eval mode by {origin}. "
             f"Write: {site.name}.train() before the training loop (or SAFETORCH_IGNORE=ST008 if you train it in eval "
@@ -485,29 +490,38 @@ def _library(code: Any) -> bool:
     return filename.startswith("<frozen") or os.path.abspath(filename).startswith(_LIBRARY_DIRS)
 
 
-def _origin(frame: FrameType | None) -> str:
-    """Who called ``eval()``: the program's own line, or a library function (``from_pretrained``) and the program's
-    line that called it."""
+def _origin(frame: FrameType | None) -> Origin | None:
+    """Who called ``eval()``, recorded cheaply at the call (worded by `_describe`, only for a finding): the
+    program's own line, or a library function (``from_pretrained``) and the program's line that called it."""
     frame = user_frame(frame)
     while frame is not None and frame.f_code.co_name in ("train", "eval"):  # a subclass's own train()/eval()
         frame = user_frame(frame.f_back)
     if frame is None:
-        return "an eval() call"
+        return None
     code = frame.f_code
-    where = f"{code.co_filename}:{frame.f_lineno}"
-    name = f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}()"
-    if _library(code):
+    name = "" if code.co_name == "<module>" else \
+        f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}()"
+    called = ""
+    if name:
+        outer = frame.f_back
+        while outer is not None and (is_internal(outer.f_code) or _library(outer.f_code)
+                                     or outer.f_code.co_filename == code.co_filename):
+            outer = outer.f_back
+        called = f"{outer.f_code.co_filename}:{outer.f_lineno}" if outer is not None else ""
+    return code.co_filename, frame.f_lineno, name, _library(code), called
+
+
+def _describe(origin: Origin | None) -> str:
+    if origin is None:
+        return "an eval() call"
+    filename, lineno, name, library, called = origin
+    where = f"{filename}:{lineno}"
+    if library:
         text = f"{name} at {where}"
     else:
-        text = f"`{source_line(frame) or 'eval()'}` at {where}"
-        if code.co_name == "<module>":
-            return text
-        text += f" in {name}"
-    outer = frame.f_back
-    while outer is not None and (is_internal(outer.f_code) or _library(outer.f_code)
-                                 or outer.f_code.co_filename == code.co_filename):
-        outer = outer.f_back
-    return text + (f", called from {outer.f_code.co_filename}:{outer.f_lineno}" if outer is not None else "")
+        line = linecache.getline(filename, lineno).strip() or "eval()"
+        text = f"`{line}` at {where}" + (f" in {name}" if name else "")
+    return text + (f", called from {called}" if called else "")
 
 
 # --- patches ---------------------------------------------------------------------------------------------------

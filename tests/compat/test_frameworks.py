@@ -1,0 +1,77 @@
+"""Real frameworks, where they install from the registry (optional test dependencies: ``pip install -e .[compat]``).
+
+Tiny random-config models, saved and loaded from a temporary directory: no downloads.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+import safetorch
+from safetorch import EvalModeTrainingWarning
+
+from ..conftest import findings, lineno
+
+
+def _tiny_bert(path: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32, num_labels=2)
+    torch.manual_seed(0)
+    transformers.BertForSequenceClassification(config).save_pretrained(path)
+
+
+def _fine_tune(path: str, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[float], list[Any]]:
+    """A plain fine-tuning loop that never calls model.train(): from_pretrained returns the model in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.BertForSequenceClassification.from_pretrained(path)
+    assert not model.training
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    losses = []
+    with findings() as got:
+        for _ in range(steps):
+            ids, labels = torch.randint(0, 64, (4, 8)), torch.randint(0, 2, (4,))
+            out = model(input_ids=ids, labels=labels); line = lineno()  # noqa: E702
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(out.loss.item())
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, [(w, line) for w in got]
+
+
+def test_a_from_pretrained_bert_fine_tuned_without_train_runs_to_the_end_with_st008(tmp_path: Any) -> None:
+    _tiny_bert(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        weights_on, losses_on, got = _fine_tune(str(tmp_path))
+        safetorch.uninstall()
+        try:
+            weights_off, losses_off, _ = _fine_tune(str(tmp_path))
+        finally:
+            safetorch.install()
+    assert losses_on == losses_off
+    assert all(torch.equal(weights_on[k], weights_off[k]) for k in weights_off)
+    ours = [(w.category, w.filename, w.lineno, str(w.message)) for w, _ in got
+            if issubclass(w.category, safetorch.SafetorchWarning)]
+    line = got[0][1]
+    assert [o[:3] for o in ours] == [(EvalModeTrainingWarning, __file__, line)]
+    message = ours[0][3]
+    assert message.startswith("ST008 model (BertForSequenceClassification) is trained in eval mode")
+    assert "PreTrainedModel.from_pretrained() at " in message and "modeling_utils.py:" in message
+    assert "Write: model.train() before the training loop" in message
+
+
+def test_evaluating_a_from_pretrained_bert_without_no_grad_gets_st003(tmp_path: Any) -> None:
+    _tiny_bert(str(tmp_path))
+    transformers = pytest.importorskip("transformers")
+    model = transformers.BertForSequenceClassification.from_pretrained(str(tmp_path))
+    with findings() as got:
+        logits = [model(input_ids=torch.randint(0, 64, (2, 8))).logits for _ in range(3)]
+    assert [t.grad_fn is not None for t in logits] == [True, False, False]
+    assert [w.category for w in got if issubclass(w.category, safetorch.SafetorchWarning)] == [
+        safetorch.EvalModeGradWarning]
