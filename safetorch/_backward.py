@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ._compat import is_compiling
 from ._exceptions import SafetorchError
 from ._patch import registry
 from ._report import is_internal, user_frame
@@ -33,7 +34,7 @@ _before: dict[str, Before] = {}
 _on_error: dict[str, OnError] = {}
 _before_now: tuple[Before, ...] = ()  # the listeners as a tuple: what every backward iterates
 _tensor_backward_code = torch.Tensor.backward.__code__
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = is_compiling
 
 
 def origin(caller: FrameType) -> tuple[FrameType | None, str]:

@@ -8,6 +8,8 @@ Design rules:
 - On 3.11+ ``f_lasti`` can point into the inline CACHE entries that follow a call: the "next" instruction is the
   first real one after ``f_lasti``.
 - Source text is read only to word a message, once per call site.
+- The caches are bounded (generated code and long notebooks make call sites without end): past a size, the older
+  half is dropped, and a dropped site is simply read again. `clear` empties them (``uninstall()`` calls it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["accumulates", "call_source", "callee", "is_discarded", "method_call", "source_line"]
+__all__ = ["accumulates", "call_source", "callee", "clear", "is_discarded", "method_call", "source_line", "trim"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
 _NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
@@ -51,10 +53,29 @@ _code_infos: dict[int, _CodeInfo] = {}
 _discarded: dict[int, tuple[CodeType, bool]] = {}
 _accumulates: dict[tuple[int, int], tuple[CodeType, bool]] = {}
 
+#: Entries kept per cache before the older half is dropped: `_CodeInfo` holds a code object's whole instruction list.
+MAX_CODE_INFOS = 256
+MAX_ANSWERS = 1 << 16
+
+
+def trim(cache: dict[Any, Any], limit: int) -> None:
+    """Drop the older half of a cache that has grown past ``limit`` (dicts keep insertion order)."""
+    if len(cache) > limit:
+        for key in list(cache)[: len(cache) // 2]:
+            cache.pop(key, None)
+
+
+def clear() -> None:
+    """Forget every cached answer (and the code objects they keep alive)."""
+    _code_infos.clear()
+    _discarded.clear()
+    _accumulates.clear()
+
 
 def _info(code: CodeType) -> _CodeInfo:
     info = _code_infos.get(id(code))
     if info is None or info.code is not code:
+        trim(_code_infos, MAX_CODE_INFOS)
         info = _code_infos[id(code)] = _CodeInfo(code)
     return info
 
@@ -80,6 +101,7 @@ def is_discarded(frame: FrameType) -> bool:
 def _discarded_slow(code: CodeType, lasti: int) -> bool:
     nxt = _next_instruction(code, lasti)
     answer = nxt is not None and nxt.opname == "POP_TOP"
+    trim(_discarded, MAX_ANSWERS)
     _discarded[id(code) + lasti] = (code, answer)
     return answer
 
@@ -134,6 +156,7 @@ def accumulates(frame: FrameType) -> bool:
     if entry is not None and entry[0] is code:
         return entry[1]
     answer = _is_accumulation(code, frame.f_lasti)
+    trim(_accumulates, MAX_ANSWERS)
     _accumulates[key] = (code, answer)
     return answer
 

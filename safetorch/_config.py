@@ -29,7 +29,10 @@ class Config:
     def with_overrides(self, strict: bool | None = None, ignore: Iterable[str] | str | None = None) -> Config:
         cfg = self
         if strict is not None:
-            cfg = replace(cfg, strict=bool(strict))
+            if not isinstance(strict, bool):  # install(strict="false") must not switch strict mode on
+                raise ValueError(f"safetorch: strict= takes True, False or None (the environment's "
+                                 f"SAFETORCH_STRICT), not {strict!r}")
+            cfg = replace(cfg, strict=strict)
         if ignore is not None:
             cfg = replace(cfg, ignore=parse_ignore_argument(ignore))
         return cfg
@@ -57,10 +60,20 @@ def _split(value: str) -> list[str]:
 
 def parse_ignore_argument(ignore: Iterable[str] | str) -> frozenset[str]:
     """Codes or names given to `install(ignore=...)`; an unknown one raises ValueError naming the valid ones."""
-    tokens = _split(ignore) if isinstance(ignore, str) else list(ignore)
+    if isinstance(ignore, str):
+        tokens = _split(ignore)
+    else:
+        try:
+            tokens = list(ignore)
+        except TypeError:
+            tokens = [ignore]
     codes = set()
     for token in tokens:
-        code = _rules.resolve(str(token))
+        if not isinstance(token, str):
+            raise TypeError(f"safetorch: ignore= takes rule codes or names, as a string ('ST004,ST007') or an "
+                            f"iterable of strings, not {type(token).__name__} {token!r}; valid rules are "
+                            f"{_rules.valid_tokens()}")
+        code = _rules.resolve(token)
         if code is None:
             raise ValueError(f"safetorch: unknown rule {token!r} in ignore=; valid rules are {_rules.valid_tokens()}")
         codes.add(code)

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable
 from types import ModuleType, TracebackType
 
-from . import _config, _report
+from . import _callsite, _config, _report
 from ._exceptions import SafetorchConfigWarning, SafetorchError
 from ._patch import registry, wrapt_c_extension
 
@@ -52,10 +52,15 @@ def _check_module(code: str) -> ModuleType:
 
 
 def _teardown(code: str) -> None:
-    """Restore a check's patches, and let it clean up what it attached to objects (ST003's module guards)."""
+    """Restore a check's patches, and let it clean up what it attached to objects (ST003's module guards). A check
+    whose module cannot even be imported has nothing to clean up."""
     _installed.discard(code)
     registry.restore(code)
-    cleanup = getattr(_check_module(code), "uninstall", None)
+    try:
+        module = _check_module(code)
+    except Exception:
+        return
+    cleanup = getattr(module, "uninstall", None)
     if cleanup is not None:
         cleanup()
 
@@ -99,8 +104,10 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
                 _check_module(code).install(registry)
                 _installed.add(code)
             except Exception as exc:  # a torch without one of the targets must not stop the others
-                _teardown(code)
-                _report.internal_error(code, exc)
+                try:
+                    _teardown(code)
+                finally:
+                    _report.internal_error(code, exc, "could not be installed")
         if _CORE not in registry.groups():
             if not wrapt_c_extension():
                 warnings.warn("safetorch: wrapt's C extension is not in use (WRAPT_DISABLE_EXTENSIONS, or a build "
@@ -119,6 +126,8 @@ def uninstall() -> None:
         for code in installed_checks():
             _teardown(code)
         registry.restore()
+        _callsite.clear()
+        _report.clear_caches()
 
 
 def installed_checks() -> list[str]:

@@ -55,10 +55,25 @@ def is_internal(code: CodeType) -> bool:
     entry = _internal_codes.get(id(code))
     if entry is not None and entry[0] is code:
         return entry[1]
-    filename = code.co_filename
-    answer = filename.startswith(_dirs()) or (filename.startswith("<") and "torch" in filename)
+    answer = code.co_filename.startswith(_dirs()) or _generated_by_torch(code)
+    if len(_internal_codes) > 1 << 16:  # bounded: generated code makes code objects without end
+        _internal_codes.clear()
     _internal_codes[id(code)] = (code, answer)
     return answer
+
+
+def clear_caches() -> None:
+    _internal_codes.clear()
+
+
+#: The file names of code that torch generates (fx's GraphModule code, dynamo's): the names torch gives them, not any
+#: name with "torch" in it (a program's own ``<torch_gen>``, or torch.package's ``<torch_package_0>`` modules, which
+#: hold the program's code).
+_TORCH_GENERATED = ("<eval_with_key>", "<torch._dynamo")
+
+
+def _generated_by_torch(code: CodeType) -> bool:
+    return code.co_filename.startswith(_TORCH_GENERATED)
 
 
 def user_frame(frame: FrameType | None) -> FrameType | None:
@@ -76,6 +91,11 @@ class Site:
     message: str
     count: int = 1
     rank: int | None = None
+    #: Its warning was shown (or raised by a filter set to "error"). Until then, each occurrence tries again: a finding
+    #: first hit inside ``catch_warnings(); simplefilter("ignore")`` is shown at its first hit outside.
+    shown: bool = False
+    #: The warning filters the site was last found ignored under: (id and length of ``warnings.filters``).
+    ignored_under: tuple[int, int] | None = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -107,35 +127,68 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
     key = (code, filename, lineno)
     site = _sites.get(key)
     strict = _config.current.strict
-    if site is not None and not strict:
+    if site is not None:
         site.count += 1
-        return
-    text = message() if callable(message) else message
-    rule = RULES[code]
-    if _WORLD > 1 and rule.per_rank:
-        text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
-    if strict:  # every rank raises
-        raise SafetorchError(text, code=code, filename=filename, lineno=lineno)
-    with _lock:
-        if key in _sites:
-            _sites[key].count += 1
+        if site.shown and not strict:
             return
-        _sites[key] = Site(code, filename, lineno, text, rank=_RANK if _WORLD > 1 else None)
+    else:
+        text = message() if callable(message) else message
+        rule = RULES[code]
+        if _WORLD > 1 and rule.per_rank:
+            text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
+        with _lock:
+            site = _sites.setdefault(key, Site(code, filename, lineno, text, rank=_RANK if _WORLD > 1 else None))
+    rule = RULES[code]
+    if strict:  # every rank raises; the site stays in the summary and the JSON report
+        site.shown = True
+        raise SafetorchError(site.message, code=code, filename=filename, lineno=lineno)
     if _RANK != 0 and not rule.per_rank:
+        site.shown = True
         return  # under torchrun, rank 0 prints what every rank sees
+    module = module_globals.get("__name__") or _module_name(filename)
+    if _ignored(site, rule.category, module):
+        return
+    site.shown = True  # before the call: a filter set to "error" raises the warning, which counts as shown
     warnings.warn_explicit(
-        text,
-        RULES[code].category,
+        site.message,
+        rule.category,
         filename,
         lineno,
-        module=module_globals.get("__name__"),
+        module=module,
         registry=module_globals.setdefault("__warningregistry__", {}),
         # No module_globals, as warnings.warn itself does: the loader lookup they trigger raises for `python -c`
         # ("'__main__' is not a built-in module") and for runpy'd modules; linecache finds files and notebook cells.
     )
 
 
-def internal_error(code: str, exc: BaseException) -> None:
+def _module_name(filename: str) -> str:
+    """What CPython's warnings use for code whose globals have no ``__name__`` (``exec(src, {})``): with
+    ``module=None``, ``warn_explicit`` drops the warning."""
+    name = filename or "<unknown>"
+    return name[:-3] if name.lower().endswith(".py") else name
+
+
+def _ignored(site: Site, category: type[Warning], module: str) -> bool:
+    """True when the warning filters in force now would drop this site's warning (its ``ignore`` action), read the
+    way ``warnings.warn_explicit`` reads them. Remembered per site until the filters change."""
+    filters = warnings.filters
+    under = (id(filters), len(filters))
+    if site.ignored_under == under:
+        return True
+    action = warnings.defaultaction
+    for act, msg, cat, mod, ln in filters:
+        if ((msg is None or msg.match(site.message)) and issubclass(category, cat)
+                and (mod is None or mod.match(module)) and (ln == 0 or site.lineno == ln)):
+            action = act
+            break
+    if action == "ignore":
+        site.ignored_under = under
+        return True
+    site.ignored_under = None
+    return False
+
+
+def internal_error(code: str, exc: BaseException, what: str = "failed internally") -> None:
     """A check failed: say so once per check and carry on; the user's program must not notice.
 
     Every check guards its own logic with ``except Exception as exc: internal_error(CODE, exc)``. A
@@ -145,18 +198,25 @@ def internal_error(code: str, exc: BaseException) -> None:
     __tracebackhide__ = True  # noqa: F841
     if isinstance(exc, (SafetorchError, Warning)):  # a finding raised in strict mode, or by a `-W error` filter
         raise exc
-    if code in _internal_reported:
+    if code in _internal_reported or _without_data(exc):
         return
     _internal_reported.add(code)
     try:
         warnings.warn(
-            f"safetorch: check {code} failed internally ({type(exc).__name__}: {exc}) and is skipped from now on at "
-            f"that place; your program is unaffected. Please report this with your torch version.",
+            f"safetorch: check {code} {what} ({type(exc).__name__}: {exc}) and is skipped from now on at that place; "
+            f"your program is unaffected. Please report this with your torch version.",
             SafetorchInternalWarning,
             stacklevel=3,
         )
     except Exception:  # a warnings filter set to "error" must not break the host either
         pass
+
+
+def _without_data(exc: BaseException) -> bool:
+    """A check that read a value under FakeTensorMode (or from a fake tensor) failed where torch itself is fine."""
+    from ._compat import fake_mode_active
+
+    return fake_mode_active() or type(exc).__module__.startswith("torch._subclasses")
 
 
 def findings() -> list[Site]:
@@ -198,6 +258,7 @@ def format_summary() -> str:
 
 
 def write_json(path: str) -> None:
+    """Every finding as a JSON list (``[]`` when there is none)."""
     data: list[dict[str, Any]] = [
         {"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message}
         for s in findings()
@@ -207,13 +268,20 @@ def write_json(path: str) -> None:
 
 
 def exit_summary() -> None:
-    """Print the summary on stderr at exit (not in an interactive session); write the JSON when asked."""
+    """At exit: write the JSON report when asked (``[]`` when nothing was found; strict mode's findings too), then
+    print the summary on stderr (not in an interactive session). A report that cannot be written says so."""
     try:
         cfg = _config.current
-        if cfg.report is False or not any(_shown_here(s) for s in _sites.values()):
+        if cfg.report is False:
             return
         if isinstance(cfg.report, str):
-            write_json(cfg.report)
+            try:
+                write_json(cfg.report)
+            except (OSError, ValueError) as exc:
+                print(f"safetorch: SAFETORCH_REPORT={cfg.report!r}: the JSON report could not be written "
+                      f"({type(exc).__name__}: {exc}); the summary follows.", file=sys.stderr)
+        if not any(_shown_here(s) for s in _sites.values()):
+            return
         if hasattr(sys, "ps1") or sys.flags.interactive:
             return
         print(format_summary(), file=sys.stderr)

@@ -27,8 +27,13 @@ def test_strict_traceback_ends_on_the_users_line(tmp_path: os.PathLike[str]) -> 
                       env={"SAFETORCH_STRICT": "1"})
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("safetorch.SafetorchError: ST001 x.double() returns a copy")
-    frames = [ln for ln in lines if ln.startswith('  File "')]
+    error = next(i for i, ln in enumerate(lines) if ln.startswith("safetorch.SafetorchError: "))
+    assert lines[error].startswith("safetorch.SafetorchError: ST001 x.double() returns a copy")
+    assert lines[error + 1:] == [  # strict mode's findings are in the exit summary (and JSON report) too
+        "safetorch: 1 finding(s) at 1 occurrence(s)",
+        f"  ST001 {script}:5 (x1): x.double() returns a copy and its result is discarded; x is unchanged. "
+        "Write: x = x.double()"]
+    frames = [ln for ln in lines[:error] if ln.startswith('  File "')]
     assert frames[-1] == f'  File "{script}", line 5, in <module>'
     assert "done" not in proc.stdout
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .._callsite import is_discarded, method_call
+from .._compat import is_compiling
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -28,7 +29,7 @@ METHODS = (
     "type_as", "cfloat", "cdouble", "chalf", "xpu", "mps", "to_dense", "to_sparse",
 )
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = is_compiling
 
 
 def _message(frame: FrameType, method: str, nargs: int) -> str:

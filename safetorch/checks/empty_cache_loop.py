@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._compat import is_compiling
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -58,7 +59,7 @@ def _empty_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
 
 def _new_site(frame: Any) -> list[Any] | None:
     code = frame.f_code
-    if is_internal(code) or torch.compiler.is_compiling():
+    if is_internal(code) or is_compiling():
         return None
     state = _calls[id(code) + frame.f_lasti] = [0, _clock(), code]
     return state

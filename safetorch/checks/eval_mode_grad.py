@@ -56,6 +56,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _backward
 from .._callsite import callee
+from .._compat import is_compiling
 from .._exceptions import SafetorchError
 from .._patch import Registry, registry
 from .._report import internal_error, is_internal, report_at, user_frame
@@ -66,7 +67,7 @@ GROUP = "eval-mode"  # the patches ST003 and ST008 share: in place while either 
 
 _call_impl_code = torch.nn.Module._call_impl.__code__
 _module_call_impl = torch.nn.Module._call_impl
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+_is_compiling = is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
 _tracing_state = torch._C._get_tracing_state

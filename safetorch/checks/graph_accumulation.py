@@ -26,12 +26,13 @@ import torch
 
 from .. import _backward
 from .._callsite import accumulates, call_source
+from .._compat import is_compiling
 from .._patch import Registry
 from .._report import internal_error, is_internal, report, report_at
 
 CODE = "ST004"
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = is_compiling
 _NUMBER = (int, float, complex)
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.nn.modules import loss as _loss
 
+from .._compat import is_compiling
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -77,7 +78,7 @@ def _origin(frame: FrameType | None, api: str) -> tuple[FrameType | None, str]:
 def _found(message: Callable[[str], str], api: str = "the loss") -> None:
     """Report at the user's line (from inside a torch helper). Raises only in strict mode."""
     __tracebackhide__ = True  # noqa: F841
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return
     frame, api = _origin(sys._getframe(1), api)
     if frame is not None:

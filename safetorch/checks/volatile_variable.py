@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._compat import is_compiling
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
 
@@ -30,7 +31,7 @@ def _call(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
         if "volatile" in kwargs or len(args) > _VOLATILE_POSITION:
             volatile = kwargs.get("volatile", args[_VOLATILE_POSITION] if len(args) > _VOLATILE_POSITION else None)
             frame = sys._getframe(1)
-            if volatile and not torch.compiler.is_compiling() and not is_internal(frame.f_code):
+            if volatile and not is_compiling() and not is_internal(frame.f_code):
                 report(CODE, frame, MESSAGE)
                 kwargs = {k: v for k, v in kwargs.items() if k != "volatile"}
                 args = args[:_VOLATILE_POSITION] + (False,) + args[_VOLATILE_POSITION + 1:] \
