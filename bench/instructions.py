@@ -47,7 +47,10 @@ LOOPS = {"tiny_mlp": "cpu tiny MLP (batch 1)",
 
 
 def _launch(on: bool, steps: int, loop: str) -> subprocess.Popen[str]:
+    # One intra-op thread: callgrind counts every thread, and OpenMP workers spin while they wait, a count that
+    # depends on timing (the conv net's counts moved by a third between two runs with the default threads).
     env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_SAFETORCH": "1" if on else "0", "BENCH_LOOP": loop,
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce", "--callgrind-out-file=/dev/null",
            sys.executable, "-c", _PROGRAM]

@@ -22,13 +22,27 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["accumulates", "call_source", "callee", "clear", "is_discarded", "method_call", "source_line", "trim"]
+__all__ = ["accumulates", "call_source", "callee", "calls_method", "clear", "is_discarded", "method_call",
+           "source_line", "trim"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
 _NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
 _LOADS = {"LOAD_FAST", "LOAD_NAME", "LOAD_GLOBAL", "LOAD_DEREF", "LOAD_CLASSDEREF", "LOAD_FAST_CHECK",
-          "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW"}
-_STORES = {"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"}
+          "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST", "LOAD_FAST_BORROW_LOAD_FAST_BORROW", "STORE_FAST_LOAD_FAST"}
+_STORES = {"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF", "STORE_FAST_LOAD_FAST", "STORE_FAST_STORE_FAST"}
+
+
+def _loaded(ins: dis.Instruction) -> Any:
+    """The name an instruction pushes last: a fused ``STORE_FAST_LOAD_FAST (a, b)`` (3.13) stores a, then loads b;
+    ``LOAD_FAST_LOAD_FAST (a, b)`` pushes a then b, and the left operand of a binary op is the first."""
+    if isinstance(ins.argval, tuple):
+        return ins.argval[1] if ins.opname.startswith("STORE_") else ins.argval[0]
+    return ins.argval
+
+
+def _stored(ins: dis.Instruction) -> Any:
+    """The name a store instruction writes the top of the stack to (the first of a fused pair)."""
+    return ins.argval[0] if isinstance(ins.argval, tuple) else ins.argval
 
 
 class _CodeInfo:
@@ -70,6 +84,7 @@ def clear() -> None:
     _code_infos.clear()
     _discarded.clear()
     _accumulates.clear()
+    _calls.clear()
 
 
 def _info(code: CodeType) -> _CodeInfo:
@@ -144,8 +159,7 @@ def _is_accumulation(code: CodeType, lasti: int) -> bool:
     left = _producer(info.instructions, idx, 1)
     if left is None or left.opname not in _LOADS:
         return False
-    name = left.argval[0] if isinstance(left.argval, tuple) else left.argval
-    return bool(name == store.argval)
+    return bool(_loaded(left) == _stored(store))
 
 
 def accumulates(frame: FrameType) -> bool:
@@ -212,6 +226,25 @@ def _call_node(frame: FrameType) -> ast.Call | None:
     except SyntaxError:
         return None
     return node if isinstance(node, ast.Call) else None
+
+
+_calls: dict[int, tuple[CodeType, bool | None]] = {}
+
+
+def calls_method(frame: FrameType, method: str) -> bool | None:
+    """Is the call the frame is executing ``<expr>.<method>(...)``? False when its source reads as another call —
+    the method is then called from C, as a key function (``ts.sort(key=torch.Tensor.float)``) — None when the
+    source cannot be read. Cached per call site: only asked about discarded results."""
+    code = frame.f_code
+    key = id(code) + frame.f_lasti
+    entry = _calls.get(key)
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    node = _call_node(frame)
+    answer = None if node is None else isinstance(node.func, ast.Attribute) and node.func.attr == method
+    trim(_calls, MAX_ANSWERS)
+    _calls[key] = (code, answer)
+    return answer
 
 
 def callee(frame: FrameType) -> str | None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from types import ModuleType, TracebackType
 
 from . import _callsite, _config, _report
-from ._exceptions import SafetorchConfigWarning, SafetorchError
+from ._exceptions import SafetorchConfigWarning, SafetorchError, SafetorchWarning
 from ._patch import registry, wrapt_c_extension
 
 __all__ = ["CHECKS", "install", "installed_checks", "uninstall"]
@@ -68,7 +68,7 @@ def _teardown(code: str) -> None:
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     """Show an uncaught SafetorchError with a traceback that ends on the user's line, then defer to the original."""
     try:
-        if isinstance(exc, SafetorchError):
+        if isinstance(exc, (SafetorchError, SafetorchWarning)):  # strict mode, or a `-W error` filter
             tb = _report.prune_traceback(tb)
         elif hasattr(exc, "add_note"):  # PEP 678, Python 3.11+
             for code in installed_checks():

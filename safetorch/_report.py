@@ -94,8 +94,9 @@ class Site:
     #: Its warning was shown (or raised by a filter set to "error"). Until then, each occurrence tries again: a finding
     #: first hit inside ``catch_warnings(); simplefilter("ignore")`` is shown at its first hit outside.
     shown: bool = False
-    #: The warning filters the site was last found ignored under: (id and length of ``warnings.filters``).
-    ignored_under: tuple[int, int] | None = None
+    #: The warning filters the site was last found ignored under: ``warnings.filters`` itself (held, so that a new
+    #: list cannot take its id), its length and first entry.
+    ignored_under: tuple[Any, int, Any] | None = None
 
 
 def _env_int(name: str, default: int) -> int:
@@ -172,8 +173,9 @@ def _ignored(site: Site, category: type[Warning], module: str) -> bool:
     """True when the warning filters in force now would drop this site's warning (its ``ignore`` action), read the
     way ``warnings.warn_explicit`` reads them. Remembered per site until the filters change."""
     filters = warnings.filters
-    under = (id(filters), len(filters))
-    if site.ignored_under == under:
+    under = site.ignored_under
+    if under is not None and under[0] is filters and under[1] == len(filters) and (
+            not filters or under[2] is filters[0]):
         return True
     action = warnings.defaultaction
     for act, msg, cat, mod, ln in filters:
@@ -182,7 +184,7 @@ def _ignored(site: Site, category: type[Warning], module: str) -> bool:
             action = act
             break
     if action == "ignore":
-        site.ignored_under = under
+        site.ignored_under = (filters, len(filters), filters[0] if filters else None)
         return True
     site.ignored_under = None
     return False

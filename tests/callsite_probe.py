@@ -33,6 +33,20 @@ class Acc:
         return self
 
 
+class Key:
+    """A method that is both a key function (called from C by list.sort) and called as a statement."""
+
+    tag = ""
+
+    def probe(self):
+        frame = sys._getframe(1)
+        results[Key.tag] = cs.is_discarded(frame) and cs.calls_method(frame, "probe") is not False
+        return 0
+
+    def __lt__(self, other):
+        return False
+
+
 def identity(v):
     return v
 
@@ -71,7 +85,14 @@ def function_forms():
     total = total + Acc("f.add_same_name_int")
     other = acc + Acc("f.other_name")
     scale = 0.5 + Acc("f.scaled") * 2
-    return probe("f.returned"), b, c, y, total, other, scale
+    one = 0.0; one = one + Acc("f.one_line_add")  # noqa: E702  (3.13 fuses the store and the load)
+    two = three = 0; two = two + Acc("f.chained_store_add")  # noqa: E702
+    ks = [Key(), Key()]
+    Key.tag = "k.key_function"
+    ks.sort(key=Key.probe)  # a key function, called from C: not a call at this line whose result is dropped
+    Key.tag = "k.method_call"
+    Key().probe()
+    return probe("f.returned"), b, c, y, total, other, scale, one, two, three
 
 
 function_forms()

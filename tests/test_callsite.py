@@ -20,7 +20,8 @@ EXPECTED = {
     "f.discarded": True, "f.assigned": False, "f.chained": False, "f.comprehension": False, "f.argument": False,
     "f.conditional": False, "f.returned": False,
     "f.iadd": True, "f.add_same_name": True, "f.add_same_name_int": True, "f.plain_add": False,
-    "f.other_name": False, "f.scaled": False,
+    "f.other_name": False, "f.scaled": False, "f.one_line_add": True, "f.chained_store_add": True,
+    "k.key_function": False, "k.method_call": True,
 }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._callsite import is_discarded, method_call
+from .._callsite import calls_method, is_discarded, method_call
 from .._compat import is_compiling
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
@@ -53,7 +53,9 @@ def _wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[st
         # The hot path is one cached lookup; the rest runs only for a discarded result. Dynamo handles tensor
         # methods itself and never traces this wrapper; the is_compiling() exit is there should it ever do so.
         if is_discarded(frame) and not _is_compiling() and isinstance(result, torch.Tensor) \
-                and not is_internal(frame.f_code):
+                and not is_internal(frame.f_code) and calls_method(frame, wrapped.__name__) is not False:
+            # (a key function called from C, `ts.sort(key=torch.Tensor.float)`, is no discarded call: its source
+            # at this line calls something else)
             method = wrapped.__name__
             report(CODE, frame, lambda: _message(frame, method, len(args)))
     except Exception as exc:  # strict-mode findings pass through internal_error

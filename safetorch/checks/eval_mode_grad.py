@@ -258,9 +258,11 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
     if site.state is _Site.WATCHING:
         if not site.watched:
             return _watched(module, site, args, kwargs)
-        _decide(site)  # may raise: a strict-mode or -W error finding
+        _decide(site)
         if site.state is not _Site.EVAL:
             return _module_call_impl(module, *args, **kwargs)
+    # Every forward counts in the summary, and a warning first hit under an ignore filter is shown later.
+    report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site))  # raises in strict mode
     if _inputs_require_grad(args, kwargs):
         return _module_call_impl(module, *args, **kwargs)
     _set_grad_enabled(False)
@@ -402,11 +404,8 @@ def _decide(site: _Site) -> None:
     if site.needs is not None:
         site.state = _Site.TRAIN
         return
-    site.state = _Site.EVAL
-    if CODE in _codes:
-        report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site))
-    else:
-        site.state = _Site.TRAIN  # ST008 alone: observe, never change anything
+    # ST003 reports it at each forward from now on; with ST008 alone, observe and never change anything.
+    site.state = _Site.EVAL if CODE in _codes else _Site.TRAIN
 
 
 def _keep_outputs(site: _Site, output: Any) -> None:
