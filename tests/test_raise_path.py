@@ -1,0 +1,104 @@
+"""Every rule's finding under a warning filter set to "error" (``-W error::safetorch.SafetorchWarning``): the
+warning is raised as an exception out of the user's line, never reported as an internal failure of the check.
+
+The rule tests record warnings with ``simplefilter("always")``; this file is their raise path, end to end: one
+pitfall per rule, run under ``simplefilter("error", SafetorchWarning)``. The traceback must end on the user's line
+once pruned (as the excepthook does), and the user's line must be the one that made the mistake.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+import safetorch
+from safetorch import _report
+
+from . import fakehub
+from .conftest import lineno
+
+
+def st001() -> int:
+    x = torch.ones(2)
+    x.double(); return lineno()  # noqa: E702
+
+
+def st002() -> int:
+    nn.MSELoss(size_average=False); return lineno()  # noqa: E702
+
+
+def st003() -> int:
+    model = nn.Linear(2, 2).eval()
+    for _ in range(2):
+        model(torch.ones(1, 2)); line = lineno()  # noqa: E702
+    return line
+
+
+def st004() -> int:
+    w = torch.ones(2, requires_grad=True)
+    total = 0.0
+    for _ in range(2):
+        loss = (w * 2).sum()
+        loss.backward()
+        total += loss; line = lineno()  # noqa: E702
+    return line
+
+
+def st005() -> int:
+    Variable(torch.ones(2), volatile=True); return lineno()  # noqa: E702
+
+
+def st006() -> int:
+    w = torch.ones(2, requires_grad=True)
+    loss = (w * float("nan")).sum()
+    loss.backward(); return lineno()  # noqa: E702
+
+
+def st007() -> int:
+    for _ in range(20):
+        torch.cuda.empty_cache(); line = lineno()  # noqa: E702
+    return line
+
+
+def st008() -> int:
+    model = fakehub.from_pretrained()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step(); line = lineno()  # noqa: E702  (the finding names the forward's line; it raises here)
+    return line
+
+
+PITFALLS: dict[str, Callable[[], int]] = {code: globals()[code.lower()] for code in safetorch.RULES}
+
+
+@pytest.fixture
+def errors() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", safetorch.SafetorchWarning)
+        yield
+
+
+@pytest.mark.parametrize("code", sorted(PITFALLS))
+def test_the_finding_raises_out_of_the_users_line(code: str, errors: None) -> None:
+    rule = safetorch.RULES[code]
+    with pytest.raises(rule.category) as info:
+        PITFALLS[code]()
+    assert str(info.value).startswith(code)
+    tb: Any = _report.prune_traceback(info.value.__traceback__)
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_filename == __file__
+    assert tb.tb_frame.f_code.co_name == code.lower()
+    assert torch.is_grad_enabled()
+    assert not any(s.code == code and not s.shown for s in _report.findings())  # raised counts as shown
+
+
+def test_every_rule_has_a_pitfall_here() -> None:
+    assert set(PITFALLS) == set(safetorch.RULES)
