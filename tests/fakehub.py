@@ -38,3 +38,17 @@ class FrozenBackboneNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.backbone(x))
+
+
+class OwnState(nn.Module):
+    """A module whose own __getstate__ copies its __dict__ without calling Module.__getstate__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def __getstate__(self) -> dict[str, object]:
+        return self.__dict__.copy()

@@ -281,6 +281,20 @@ def test_a_library_calling_set_grad_enabled_as_a_function_leaves_st003_on() -> N
     assert [w.category for w in got] == [EvalModeGradWarning]
 
 
+def test_a_module_with_its_own_getstate_still_pickles_to_a_working_model() -> None:
+    model = fakehub.OwnState().eval()
+    assert guarded(model)
+    again = pickle.loads(pickle.dumps(model))
+    x = torch.ones(1, 2)
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
+    proc = run_python(f"import pickle, sys, torch\n"
+                      f"m = pickle.loads({pickle.dumps(model)!r}); print(m(torch.ones(1, 2)).shape)\n"
+                      f"print('safetorch' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["torch.Size([1, 2])", "False"]
+
+
 def test_lightning_style_mode_restore_by_assignment_leaves_nothing_behind() -> None:
     model = convnet()
     model.eval()

@@ -40,6 +40,7 @@ Design rules:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import linecache
 import os
 import sys
@@ -152,8 +153,11 @@ class _Sites:
         key = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti, id(module))
         site = _Site(module, frame)
         with self.lock:
-            if len(self.sites) >= 4096:  # drop the sites of modules that are gone
-                self.sites = {k: s for k, s in self.sites.items() if s.module() is not None}
+            if len(self.sites) >= 4096:  # drop the sites of modules that are gone, and then the older half
+                sites = {k: s for k, s in self.sites.items() if s.module() is not None}
+                if len(sites) >= 2048:
+                    sites = dict(list(sites.items())[len(sites) // 2:])
+                self.sites = sites
             self.sites[key] = site
         return site
 
@@ -194,8 +198,14 @@ class _Guard:
             return _module_call_impl(module, *args, **kwargs)
         return _eval_forward(module, self, args, kwargs)
 
-    def __reduce__(self) -> Any:  # never pickled with a module (see `_getstate`); harmless if pickled alone
-        return (type(None), ())
+    def __reduce__(self) -> Any:
+        """Never pickled with a module (see `_getstate`), unless a subclass's own ``__getstate__`` copies the
+        ``__dict__`` without ``Module.__getstate__``: then it loads as a plain ``Module._call_impl`` bound to its
+        module, which needs no safetorch and behaves as the class's."""
+        module = self.module()
+        if module is None:
+            return (type(None), ())
+        return (functools.partial, (type(module)._call_impl, module))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         """The copy of a guarded module gets a guard of its own (``copy.deepcopy`` memoises the copy first)."""
