@@ -38,6 +38,12 @@ for _step in range(12):
     torch.cuda.empty_cache()  # ST007: every iteration, for nothing
 print(f"validation loss: {val_loss / 12:.3f}")
 
+for _step in range(2):  # a little more training after validation, but model.train() was forgotten
+    loss = criterion(model(images), labels) / (16 * 16)  # ST008: dropout and BatchNorm still in eval mode
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
 model.train()
 diverged = criterion(model(images), labels) * float("nan")
 diverged.backward()  # ST006: a NaN loss reaching backward

@@ -30,6 +30,7 @@ def test_first_post_validation_loop() -> None:
     data = TensorDataset(torch.randn(24, 3, 16, 16), torch.randint(0, 5, (24, 16, 16)).double())
     dataloader = DataLoader(data, batch_size=2)
     lines = {}
+    graphs = []
     with findings() as got:
         criterion = nn.CrossEntropyLoss(size_average=False); lines["ST002"] = lineno()  # noqa: E702
         model.eval()
@@ -39,6 +40,7 @@ def test_first_post_validation_loop() -> None:
             val_input = val_input1.float()
             val_label = Variable(label.type(t.LongTensor), volatile=True); lines["ST005b"] = lineno()  # noqa: E702
             score = model(val_input); lines["ST003"] = lineno()  # noqa: E702
+            graphs.append(score.grad_fn is not None)
             loss = criterion(score, val_label)
             if ii == 0:
                 loss_mean = loss.item()
@@ -54,6 +56,8 @@ def test_first_post_validation_loop() -> None:
     ]
     assert all(w.filename == __file__ for w in got)
     assert criterion.reduction == "sum" and not score.requires_grad
+    # the first forward at that line is watched (run as written); every later one ran under no_grad
+    assert graphs == [True] + [False] * (len(graphs) - 1) and len(graphs) == 12
     # the summed per-pixel loss of the post: about H*W times the mean
     assert loss.item() > 16 * 16 * 0.5
 
