@@ -13,7 +13,9 @@ Design rules:
 from __future__ import annotations
 
 import json
+import linecache
 import os
+import re
 import sys
 import threading
 import warnings
@@ -25,6 +27,7 @@ from typing import Any
 from . import _config
 from ._exceptions import SafetorchError, SafetorchInternalWarning
 from ._rules import RULES
+from ._rules import resolve as _resolve
 
 __all__ = ["Site", "findings", "internal_error", "is_internal", "report", "report_at", "reset", "user_frame"]
 
@@ -94,6 +97,9 @@ class Site:
     #: Its warning was shown (or raised by a filter set to "error"). Until then, each occurrence tries again: a finding
     #: first hit inside ``catch_warnings(); simplefilter("ignore")`` is shown at its first hit outside.
     shown: bool = False
+    #: The line carries ``# safetorch: ignore[<this code>]`` (or a bare ``# safetorch: ignore``): never shown, raised,
+    #: summarised or written to the JSON report.
+    suppressed: bool = False
     #: The warning filters the site was last found ignored under: ``warnings.filters`` itself (held, so that a new
     #: list cannot take its id), its length and first entry.
     ignored_under: tuple[Any, int, Any] | None = None
@@ -130,9 +136,13 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
     strict = _config.current.strict
     if site is not None:
         site.count += 1
-        if site.shown and not strict:
+        if (site.shown and not strict) or site.suppressed:
             return
     else:
+        if suppressed(code, filename, lineno, module_globals):
+            with _lock:
+                _sites.setdefault(key, Site(code, filename, lineno, "", suppressed=True, shown=True))
+            return
         text = message() if callable(message) else message
         rule = RULES[code]
         if _WORLD > 1 and rule.per_rank:
@@ -160,6 +170,24 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         # No module_globals, as warnings.warn itself does: the loader lookup they trigger raises for `python -c`
         # ("'__main__' is not a built-in module") and for runpy'd modules; linecache finds files and notebook cells.
     )
+
+
+_SUPPRESS = re.compile(r"#\s*safetorch:\s*ignore\b(?:\[([^\]]*)\])?", re.IGNORECASE)
+
+
+def suppressed(code: str, filename: str, lineno: int, module_globals: dict[str, Any]) -> bool:
+    """True when the line says ``# safetorch: ignore[ST001]`` (codes or names, comma-separated) or a bare
+    ``# safetorch: ignore``, as ``# noqa`` does for linters. Read from the source once per call site."""
+    try:
+        line = linecache.getline(filename, lineno, module_globals)
+    except (ImportError, OSError):  # a loader that cannot serve this module's source under its run name
+        line = linecache.getline(filename, lineno)
+    match = _SUPPRESS.search(line)
+    if match is None:
+        return False
+    if match.group(1) is None:
+        return True
+    return code in {_resolve(t) for t in re.split(r"[,\s]+", match.group(1)) if t}
 
 
 def _module_name(filename: str) -> str:
@@ -222,8 +250,8 @@ def _without_data(exc: BaseException) -> bool:
 
 
 def findings() -> list[Site]:
-    """Every call site reported so far, in order of first occurrence."""
-    return list(_sites.values())
+    """Every call site reported so far, in order of first occurrence (``# safetorch: ignore``'d lines left out)."""
+    return [s for s in _sites.values() if not s.suppressed]
 
 
 def reset() -> None:
@@ -251,7 +279,7 @@ def _shown_here(site: Site) -> bool:
 
 
 def format_summary() -> str:
-    sites = [s for s in findings() if _shown_here(s)]
+    sites = [s for s in findings() if _shown_here(s) and not s.suppressed]
     lines = [f"safetorch: {len(sites)} finding(s) at {sum(s.count for s in sites)} occurrence(s)"]
     for s in sites:
         text = s.message.splitlines()[0].removeprefix(s.code).strip()
@@ -263,7 +291,7 @@ def write_json(path: str) -> None:
     """Every finding as a JSON list (``[]`` when there is none)."""
     data: list[dict[str, Any]] = [
         {"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message}
-        for s in findings()
+        for s in findings() if not s.suppressed
     ]
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2)
@@ -282,7 +310,7 @@ def exit_summary() -> None:
             except (OSError, ValueError) as exc:
                 print(f"safetorch: SAFETORCH_REPORT={cfg.report!r}: the JSON report could not be written "
                       f"({type(exc).__name__}: {exc}); the summary follows.", file=sys.stderr)
-        if not any(_shown_here(s) for s in _sites.values()):
+        if not any(_shown_here(s) and not s.suppressed for s in _sites.values()):
             return
         if hasattr(sys, "ps1") or sys.flags.interactive:
             return

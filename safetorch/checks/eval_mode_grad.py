@@ -60,7 +60,7 @@ from .._callsite import callee
 from .._compat import is_compiling
 from .._exceptions import SafetorchError
 from .._patch import Registry, registry
-from .._report import internal_error, is_internal, report_at, user_frame
+from .._report import internal_error, is_internal, report_at, suppressed, user_frame
 
 CODE = "ST003"
 TRAINING_CODE = "ST008"
@@ -414,8 +414,10 @@ def _decide(site: _Site) -> None:
     if site.needs is not None:
         site.state = _Site.TRAIN
         return
-    # ST003 reports it at each forward from now on; with ST008 alone, observe and never change anything.
-    site.state = _Site.EVAL if CODE in _codes else _Site.TRAIN
+    # ST003 reports it at each forward from now on; with ST008 alone, or on a line that says
+    # `# safetorch: ignore[ST003]`, observe and never change anything.
+    evaluate = CODE in _codes and not suppressed(CODE, site.filename, site.lineno, site.globals)
+    site.state = _Site.EVAL if evaluate else _Site.TRAIN
 
 
 def _keep_outputs(site: _Site, output: Any) -> None:
