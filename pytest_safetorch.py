@@ -26,6 +26,22 @@ def pytest_configure(config: Any) -> None:
     if not enabled:
         return
     import safetorch
+    from safetorch import _report
 
     safetorch.install(strict=strict)
+    _report.summary_by_host = True  # the summary goes into pytest's own, below, not after its last line
     config.addinivalue_line("markers", "safetorch: safetorch's checks are installed for this run")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """safetorch's findings as a section of pytest's summary, before its final line."""
+    import sys
+
+    report = sys.modules.get("safetorch._report")
+    if report is None or not getattr(report, "summary_by_host", False):
+        return
+    text = report.format_summary() if any(report.shown_here(s) for s in report.findings()) else ""
+    if text:
+        terminalreporter.section("safetorch")
+        for line in text.splitlines():
+            terminalreporter.line(line)

@@ -274,12 +274,17 @@ def prune_traceback(tb: TracebackType | None) -> TracebackType | None:
     return tb
 
 
-def _shown_here(site: Site) -> bool:
+#: A host prints the summary itself (pytest's plugin, in its terminal summary): at exit, only the JSON is written.
+summary_by_host = False
+
+
+def shown_here(site: Site) -> bool:
+    """Whether this process prints the site: under torchrun, rank 0 prints what every rank sees."""
     return _RANK == 0 or RULES[site.code].per_rank
 
 
 def format_summary() -> str:
-    sites = [s for s in findings() if _shown_here(s) and not s.suppressed]
+    sites = [s for s in findings() if shown_here(s) and not s.suppressed]
     lines = [f"safetorch: {len(sites)} finding(s) at {sum(s.count for s in sites)} occurrence(s)"]
     for s in sites:
         text = s.message.splitlines()[0].removeprefix(s.code).strip()
@@ -310,9 +315,9 @@ def exit_summary() -> None:
             except (OSError, ValueError) as exc:
                 print(f"safetorch: SAFETORCH_REPORT={cfg.report!r}: the JSON report could not be written "
                       f"({type(exc).__name__}: {exc}); the summary follows.", file=sys.stderr)
-        if not any(_shown_here(s) and not s.suppressed for s in _sites.values()):
+        if not any(shown_here(s) and not s.suppressed for s in _sites.values()):
             return
-        if hasattr(sys, "ps1") or sys.flags.interactive:
+        if hasattr(sys, "ps1") or sys.flags.interactive or summary_by_host:
             return
         print(format_summary(), file=sys.stderr)
     except Exception:

@@ -168,6 +168,11 @@ def test_plugin_reports_findings_in_the_warnings_summary(tmp_path: str) -> None:
     proc = _pytest(tmp_path, "--safetorch")
     assert proc.returncode == 0
     assert "test_user.py:5: DiscardedConversionWarning: ST001 x.double() returns a copy" in proc.stdout
+    lines = proc.stdout.splitlines()
+    section = next(i for i, ln in enumerate(lines) if "safetorch" in ln and ln.startswith("="))
+    assert lines[section + 1] == "safetorch: 1 finding(s) at 1 occurrence(s)"
+    assert "1 passed" in lines[-1] and section < len(lines) - 1  # the summary comes before pytest's last line
+    assert "safetorch:" not in proc.stderr
 
 
 def test_plugin_strict_fails_the_test(tmp_path: str) -> None:
