@@ -7,74 +7,94 @@ workers behave as without the runner), and its exit code passes through.
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import runpy
 import sys
+from types import TracebackType
 
-USAGE = """\
-usage: python -m safetorch [--strict] [--ignore CODES] [--report PATH|0] script.py [args ...]
-       python -m safetorch [options] -m module [args ...]
-
-Run a PyTorch program with safetorch's checks installed, without changing its code.
-
-options:
-  --strict          every finding raises safetorch.SafetorchError at its line (SAFETORCH_STRICT=1)
-  --ignore CODES    switch rules off: codes or names, comma-separated, e.g. ST004,empty-cache-loop
-                    (SAFETORCH_IGNORE)
-  --report PATH|0   also write the exit summary as JSON to PATH, or 0: no summary (SAFETORCH_REPORT)
-  -m module         run a library module as a script, like python -m
-  -h, --help        show this help
-
+_ENVIRONMENT = """\
 environment (read once; the options above override it):
   SAFETORCH_STRICT=1                  findings raise SafetorchError
   SAFETORCH_DISABLE=1                 patch nothing: the program runs exactly as without safetorch
   SAFETORCH_IGNORE=ST004,ST007        rules to switch off
   SAFETORCH_REPORT=0 | path.json      no exit summary | also write it as JSON
-
-rules: ST001 discarded conversion, ST002 legacy size_average/reduce, ST003 eval-mode forward with autograd on,
-       ST004 loss accumulated with its graph, ST005 Variable(volatile=True), ST006 non-finite loss at backward,
-       ST007 empty_cache() in a loop, ST008 a model trained while in eval mode
 """
 
 
+def _prog() -> str:
+    """``python -m safetorch`` or the console script's name, whichever way the runner was started."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m safetorch" if name in ("", "__main__.py", "-m", "-c") else name
+
+
+def _parser() -> argparse.ArgumentParser:
+    from safetorch._rules import RULES
+
+    rules = "rules:\n" + "\n".join(f"  {r.code} {r.name:<22} {r.summary}" for r in RULES.values())
+    parser = argparse.ArgumentParser(
+        prog=_prog(), formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--strict] [--ignore CODES] [--report PATH|0] script.py [args ...]\n"
+              "       %(prog)s [options] -m module [args ...]",
+        description="Run a PyTorch program with safetorch's checks installed, without changing its code.",
+        epilog=_ENVIRONMENT + "\n" + rules)
+    parser.add_argument("--strict", action="store_true",
+                        help="every finding raises safetorch.SafetorchError at its line (SAFETORCH_STRICT=1)")
+    parser.add_argument("--ignore", metavar="CODES",
+                        help="switch rules off: codes or names, comma-separated, e.g. ST004,empty-cache-loop "
+                             "(SAFETORCH_IGNORE)")
+    parser.add_argument("--report", metavar="PATH|0",
+                        help="also write the exit summary as JSON to PATH, or 0: no summary (SAFETORCH_REPORT)")
+    parser.add_argument("-m", dest="module", metavar="module", nargs=argparse.REMAINDER,
+                        help="run a library module as a script, like python -m (the rest are its arguments)")
+    parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
+                        help="the script to run and its arguments")
+    return parser
+
+
 def _fail(message: str) -> int:
-    print(f"safetorch: {message}\n", file=sys.stderr)
-    print(USAGE, file=sys.stderr, end="")
+    print(f"{_prog()}: error: {message}", file=sys.stderr)
     return 2
 
 
+def _hide_runner(tb: TracebackType | None) -> TracebackType | None:
+    """The program's traceback without the runner's frames (this module's and runpy's) in front of it."""
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    return tb
+
+
+def _importable(module: str) -> bool:
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        sys.path.pop(0)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    strict = False
-    ignore: str | None = None
-    report: str | None = None
-    module: str | None = None
-    while args and args[0].startswith("-"):
-        opt = args.pop(0)
-        if opt in ("-h", "--help"):
-            print(USAGE, end="")
-            return 0
-        if opt == "--strict":
-            strict = True
-        elif opt == "--ignore" or opt.startswith("--ignore="):
-            ignore = opt.split("=", 1)[1] if "=" in opt else (args.pop(0) if args else "")
-        elif opt == "--report" or opt.startswith("--report="):
-            report = opt.split("=", 1)[1] if "=" in opt else (args.pop(0) if args else "1")
-        elif opt == "-m":
-            if not args:
-                return _fail("-m needs a module name")
-            module = args.pop(0)
-            break
-        else:
-            return _fail(f"unknown option {opt!r}")
+    parser = _parser()
+    ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    module = ns.module[0] if ns.module else None
+    args = ns.module[1:] if ns.module else ns.program
+    if ns.module is not None and not ns.module:
+        return _fail("-m needs a module name")
     if module is None and not args:
-        return _fail("no script to run")
+        return _fail("no script to run (see --help)")
+    if module is None and not os.path.exists(args[0]):
+        return _fail(f"can't open file {args[0]!r}: no such file")
+    if module is not None and not _importable(module):
+        return _fail(f"no module named {module!r}")
 
     # Children started with the same interpreter (spawned workers that import safetorch) see the same settings.
-    if strict:
+    if ns.strict:
         os.environ["SAFETORCH_STRICT"] = "1"
-    if ignore is not None:
-        os.environ["SAFETORCH_IGNORE"] = ignore
+    if ns.ignore is not None:
+        os.environ["SAFETORCH_IGNORE"] = ns.ignore
 
     import dataclasses
 
@@ -82,24 +102,37 @@ def main(argv: list[str] | None = None) -> int:
     from safetorch import _config
 
     try:
-        safetorch.install(strict=strict or None, ignore=ignore)
-    except ValueError as exc:
+        safetorch.install(strict=ns.strict or None, ignore=ns.ignore)
+    except (ValueError, TypeError) as exc:
         return _fail(str(exc).removeprefix("safetorch: "))
-    if report is not None:
-        _config.current = dataclasses.replace(_config.current, report=_config.parse_report(report))
+    if ns.report is not None:
+        _config.current = dataclasses.replace(_config.current, report=_config.parse_report(ns.report))
+    return _run(module, args)
 
-    if module is not None:
-        sys.argv = [module, *args]
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        script = args[0]
-        if not os.path.exists(script):
-            return _fail(f"can't open file {script!r}: no such file")
-        sys.argv = args
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        runpy.run_path(script, run_name="__main__")
+
+def _run(module: str | None, args: list[str]) -> int:
+    try:
+        if module is not None:
+            sys.argv = [module, *args]
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:  # the program's own exception: its traceback starts at its own code
+        return _excepthook(exc)
     return 0
+
+
+def _excepthook(exc: BaseException) -> int:
+    """Show the program's exception as Python would have, had it run the program itself; the exit code too."""
+    tb = _hide_runner(exc.__traceback__)
+    exc.__traceback__ = tb  # the hook prints the exception's own traceback (a script that does not compile: none)
+    sys.excepthook(type(exc), exc, tb)
+    return 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 
 if __name__ == "__main__":

@@ -74,14 +74,18 @@ def test_strict_stops_on_the_first_finding(script: str, tmp_path: str) -> None:
     assert proc.returncode == 1
     assert "main block" not in proc.stdout
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("safetorch.SafetorchError: ST001 x.double() returns a copy")
-    assert [ln for ln in lines if ln.startswith('  File "')][-1] == f'  File "{script}", line 5, in <module>'
+    error = next(i for i, ln in enumerate(lines) if ln.startswith("safetorch.SafetorchError: "))
+    assert lines[error].startswith("safetorch.SafetorchError: ST001 x.double() returns a copy")
+    frames = [ln for ln in lines[:error] if ln.startswith('  File "')]
+    assert frames == [f'  File "{script}", line 5, in <module>']  # neither the runner's frames nor torch's
+    assert lines[error + 1] == "safetorch: 1 finding(s) at 1 occurrence(s)"
 
 
 def test_ignore_and_bad_ignore(script: str, tmp_path: str) -> None:
     assert "ST001" not in _run(["--ignore", "ST001", script], cwd=str(tmp_path)).stderr
     bad = _run(["--ignore", "ST123", script], cwd=str(tmp_path))
-    assert bad.returncode == 2 and "unknown rule 'ST123'" in bad.stderr and "usage:" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("python -m safetorch: error: unknown rule 'ST123'")
+    assert len(bad.stderr.splitlines()) == 1
 
 
 def test_module_form(tmp_path: str) -> None:
@@ -102,10 +106,34 @@ def test_help_and_console_script(tmp_path: str) -> None:
     assert proc.returncode == 0
     for word in ("--strict", "--ignore", "-m module", "SAFETORCH_DISABLE", "SAFETORCH_REPORT"):
         assert word in proc.stdout
+    assert proc.stdout.startswith("usage: python -m safetorch [--strict]")
+    for code, rule in safetorch.RULES.items():  # the rule list comes from the rule table
+        assert f"  {code} {rule.name}" in proc.stdout
     exe = shutil.which("safetorch")
     if exe is None:
         pytest.skip("the console script is not installed (pip install -e .)")
-    assert subprocess.run([exe, "--help"], capture_output=True, text=True).stdout == proc.stdout
+    console = subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
+    assert console == proc.stdout.replace("python -m safetorch", "safetorch")
+
+
+def test_one_line_errors_and_tracebacks_without_the_runner(tmp_path: str) -> None:
+    missing = _run(["nope.py"], cwd=str(tmp_path))
+    assert (missing.returncode, missing.stderr) == (2, "python -m safetorch: error: can't open file 'nope.py': "
+                                                       "no such file\n")
+    module = _run(["-m", "nope"], cwd=str(tmp_path))
+    assert (module.returncode, module.stderr) == (2, "python -m safetorch: error: no module named 'nope'\n")
+    with open(os.path.join(tmp_path, "bad.py"), "w") as fh:
+        fh.write("x = (\n")
+    syntax = _run(["bad.py"], cwd=str(tmp_path))
+    assert syntax.returncode == 1 and syntax.stderr.startswith('  File "bad.py", line 1')
+    assert "runpy" not in syntax.stderr and "safetorch" not in syntax.stderr
+    with open(os.path.join(tmp_path, "boom.py"), "w") as fh:
+        fh.write("def f():\n    raise ValueError('boom')\nf()\n")
+    boom = _run(["boom.py"], cwd=str(tmp_path))
+    assert boom.returncode == 1
+    assert boom.stderr.splitlines()[:2] == ["Traceback (most recent call last):",
+                                            '  File "boom.py", line 3, in <module>']
+    assert boom.stderr.splitlines()[-1] == "ValueError: boom"
 
 
 def test_spawned_workers_behave_as_without_the_runner(tmp_path: str) -> None:
