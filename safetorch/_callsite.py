@@ -115,10 +115,31 @@ def is_discarded(frame: FrameType) -> bool:
 
 def _discarded_slow(code: CodeType, lasti: int) -> bool:
     nxt = _next_instruction(code, lasti)
-    answer = nxt is not None and nxt.opname == "POP_TOP"
+    answer = nxt is not None and (nxt.opname == "POP_TOP" or (_echoes(nxt) and _quieted(code, lasti)))
     trim(_discarded, MAX_ANSWERS)
     _discarded[id(code) + lasti] = (code, answer)
     return answer
+
+
+def _echoes(ins: dis.Instruction) -> bool:
+    """The REPL's (and IPython's last-line) echo of an expression statement: PRINT_EXPR, or 3.12's intrinsic."""
+    return ins.opname == "PRINT_EXPR" or (ins.opname == "CALL_INTRINSIC_1" and "PRINT" in str(ins.argrepr))
+
+
+def _quieted(code: CodeType, lasti: int) -> bool:
+    """An echoed expression whose line ends with ``;``: IPython then shows nothing (a notebook's way to discard)."""
+    info = _info(code)
+    lineno = None
+    for ins in reversed(info.instructions[: info.index_at(lasti) + 1]):
+        starts = ins.starts_line  # 3.10-3.12: the line number or None; 3.13: a bool, with line_number beside it
+        lineno = getattr(getattr(ins, "positions", None), "lineno", None) or getattr(ins, "line_number", None) or (
+            starts if type(starts) is int else None)
+        if lineno:
+            break
+    if not lineno:
+        return False
+    text = linecache.getline(code.co_filename, int(lineno)).split("#", 1)[0].rstrip()
+    return text.endswith(";")
 
 
 def _producer(instructions: list[dis.Instruction], index: int, depth: int) -> dis.Instruction | None:

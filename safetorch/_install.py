@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable
 from types import ModuleType, TracebackType
 
-from . import _callsite, _config, _report
+from . import _callsite, _config, _notebook, _report
 from ._exceptions import SafetorchConfigWarning, SafetorchError, SafetorchWarning
 from ._patch import registry, wrapt_c_extension
 
@@ -65,16 +65,22 @@ def _teardown(code: str) -> None:
         cleanup()
 
 
+def _annotate(exc: BaseException, tb: TracebackType | None) -> TracebackType | None:
+    """An uncaught finding's traceback ends on the user's line; another error gets the checks' crash notes."""
+    if isinstance(exc, (SafetorchError, SafetorchWarning)):  # strict mode, or a `-W error` filter
+        return _report.prune_traceback(tb)
+    if hasattr(exc, "add_note"):  # PEP 678, Python 3.11+
+        for code in installed_checks():
+            notes = getattr(_check_module(code), "crash_notes", None)
+            for note in notes(exc) if notes is not None else ():
+                exc.add_note(note)
+    return tb
+
+
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     """Show an uncaught SafetorchError with a traceback that ends on the user's line, then defer to the original."""
     try:
-        if isinstance(exc, (SafetorchError, SafetorchWarning)):  # strict mode, or a `-W error` filter
-            tb = _report.prune_traceback(tb)
-        elif hasattr(exc, "add_note"):  # PEP 678, Python 3.11+
-            for code in installed_checks():
-                notes = getattr(_check_module(code), "crash_notes", None)
-                for note in notes(exc) if notes is not None else ():
-                    exc.add_note(note)
+        tb = _annotate(exc, tb)
     except Exception:
         pass
     (_original_excepthook or sys.__excepthook__)(exc_type, exc, tb)
@@ -115,6 +121,7 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
                               "C extension.", SafetorchConfigWarning, stacklevel=2)
             _original_excepthook = sys.excepthook
             registry.set(sys, "excepthook", _excepthook, _CORE)
+            _notebook.install_handler(_annotate)  # IPython does not use sys.excepthook
         if not _atexit_registered:
             atexit.register(_report.exit_summary)
             _atexit_registered = True
@@ -126,6 +133,7 @@ def uninstall() -> None:
         for code in installed_checks():
             _teardown(code)
         registry.restore()
+        _notebook.uninstall_handler()
         _callsite.clear()
         _report.clear_caches()
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
-from . import _config
+from . import _config, _notebook
 from ._exceptions import SafetorchError, SafetorchInternalWarning
 from ._rules import RULES
 from ._rules import resolve as _resolve
@@ -147,12 +147,13 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         rule = RULES[code]
         if _WORLD > 1 and rule.per_rank:
             text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
+        shown_as = _notebook.cell_name(filename) or filename  # `Cell In[5]` for a Jupyter cell
         with _lock:
-            site = _sites.setdefault(key, Site(code, filename, lineno, text, rank=_RANK if _WORLD > 1 else None))
+            site = _sites.setdefault(key, Site(code, shown_as, lineno, text, rank=_RANK if _WORLD > 1 else None))
     rule = RULES[code]
     if strict:  # every rank raises; the site stays in the summary and the JSON report
         site.shown = True
-        raise SafetorchError(site.message, code=code, filename=filename, lineno=lineno)
+        raise SafetorchError(site.message, code=code, filename=site.filename, lineno=lineno)
     if _RANK != 0 and not rule.per_rank:
         site.shown = True
         return  # under torchrun, rank 0 prints what every rank sees
@@ -163,7 +164,7 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
     warnings.warn_explicit(
         site.message,
         rule.category,
-        filename,
+        site.filename,
         lineno,
         module=module,
         registry=module_globals.setdefault("__warningregistry__", {}),
