@@ -253,16 +253,19 @@ _calls: dict[int, tuple[CodeType, bool | None]] = {}
 
 
 def calls_method(frame: FrameType, method: str) -> bool | None:
-    """Is the call the frame is executing ``<expr>.<method>(...)``? False when its source reads as another call —
-    the method is then called from C, as a key function (``ts.sort(key=torch.Tensor.float)``) — None when the
-    source cannot be read. Cached per call site: only asked about discarded results."""
+    """Is the call the frame is executing ``<expr>.<method>(...)``? False when its source reads as a call of another
+    method — ours is then called from C, as a key function (``ts.sort(key=torch.Tensor.float)``) — None when the
+    source cannot be read or the callee is not an attribute. Cached per call site: asked about discarded results
+    only."""
     code = frame.f_code
     key = id(code) + frame.f_lasti
     entry = _calls.get(key)
     if entry is not None and entry[0] is code:
         return entry[1]
     node = _call_node(frame)
-    answer = None if node is None else isinstance(node.func, ast.Attribute) and node.func.attr == method
+    answer: bool | None = None  # unreadable, or a call that may be the method (`getattr(t, m)()`, `f()`)
+    if node is not None and isinstance(node.func, ast.Attribute):
+        answer = node.func.attr == method
     trim(_calls, MAX_ANSWERS)
     _calls[key] = (code, answer)
     return answer
