@@ -8,14 +8,21 @@ Design rules (from wrapt and dd-trace-py):
 - Patching twice is a no-op, never a second layer, even across a reloaded copy of this module (the marker is an
   attribute of the wrapper type, or of a plain replacement function, not an ``isinstance`` check against this
   module's class).
-- The choke points that torch itself calls on every training step get a plain function instead of a wrapt proxy
-  (`Registry.replace`): ``torch.autograd.backward`` (every backward), ``torch.nn._reduction.get_enum`` (every
-  loss), ``set_grad_enabled.__init__`` (every ``no_grad`` block, twice per optimizer step) and ``Module.train``
-  (once per child module). A wrapt wrapper on a class attribute builds a bound proxy on every call: on the CI
-  machine an SGD step measured about 8 µs slower with one on ``set_grad_enabled.__init__``, and no measurable
-  difference with the plain function doing the same bookkeeping. The plain function carries the original's name,
-  qualname, module, doc and ``__wrapped__``, so it inspects and pickles as the original, and it is recorded and
-  restored exactly like a wrapt patch. Every other patch is a wrapt wrapper.
+- Some patches are plain functions instead of wrapt proxies (`Registry.replace`):
+  * the choke points torch itself calls on every training step: ``torch.autograd.backward`` (every backward),
+    ``torch.nn._reduction.get_enum`` (every loss) and ``Module.train`` (once per child module). A wrapt wrapper on
+    a class attribute builds a bound proxy on every call: on the CI machine an SGD step measured about 8 µs slower
+    with one on a grad-mode choke point, and no measurable difference with a plain function doing the same
+    bookkeeping;
+  * ``Module.__getstate__``, which must see its direct caller (``copy.deepcopy``).
+  The plain function carries the original's doc and ``__wrapped__`` and is named after where it stands
+  (``Module.train`` in ``torch.nn.modules.module``), so it inspects as the original and pickles by reference; it is
+  recorded and restored exactly like a wrapt patch. Every other patch is a wrapt wrapper.
+- The tensor methods stay wrapt wrappers, on purpose: torch's own ``__torch_function__`` implementations compare
+  ``func`` with the methods they captured at import (``UninitializedParameter._allowed_methods``:
+  ``func in [torch.Tensor.to, ...]``). A wrapt proxy compares equal to the method it wraps; a plain function does
+  not (torch's module_db corpus fails with one). The price: ``torch.Tensor.float is torch.Tensor.float`` does not
+  hold, since each class access builds a new (equal) bound proxy.
 - The wrapper types answer pickle and copy by reference, as the original functions and method descriptors do: a
   bare wrapt proxy refuses ``__reduce_ex__``. What they pickle to names torch only, so a pickle made with safetorch
   installed loads where safetorch is not.
@@ -187,6 +194,13 @@ class Registry:
                 return present
             function = factory(target)
             functools.update_wrapper(function, target)
+            # Named after where it stands, so that it pickles by reference to itself: ``Tensor.float`` lives on
+            # ``torch._C.TensorBase`` (its qualname says so), but the patch stands at ``torch.Tensor.float``.
+            if isinstance(owner, types.ModuleType):
+                function.__module__, function.__qualname__ = owner.__name__, name
+            else:
+                function.__module__ = getattr(owner, "__module__", function.__module__)
+                function.__qualname__ = f"{getattr(owner, '__qualname__', owner.__name__)}.{name}"  # type: ignore
             function.__safetorch_patch__ = True  # type: ignore[attr-defined]
             return self._put(owner, name, function, group, target)
 

@@ -230,3 +230,20 @@ def test_eval_mode_findings_under_warning_filters_follow_them() -> None:
     with findings() as got:
         evaluate()
     assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, evaluate.line)]  # type: ignore
+
+
+def test_torch_function_dispatch_on_a_patched_method_behaves_as_without_safetorch() -> None:
+    """A subclass that handles torch.Tensor.float specially, by equality (or a dict), as torch's own do."""
+    handled: list[Any] = []
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func == torch.Tensor.float or func in {torch._C.TensorBase.float: 1}:
+                handled.append(func)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.ones(2, dtype=torch.float64).as_subclass(Logged)
+    y = t.float()
+    assert len(handled) == 1 and type(y) is Logged and y.dtype == torch.float32
+    assert torch.Tensor.float == torch._C.TensorBase.float  # equal to the original, which torch's allow-lists hold
