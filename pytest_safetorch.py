@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 
 def pytest_addoption(parser: Any) -> None:
     group = parser.getgroup("safetorch", "safetorch: PyTorch pitfall checks")
@@ -45,3 +47,30 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         terminalreporter.section("safetorch")
         for line in text.splitlines():
             terminalreporter.line(line)
+
+
+
+def _finding(excinfo: Any) -> bool:
+    import sys
+
+    exceptions = sys.modules.get("safetorch._exceptions")
+    return exceptions is not None and isinstance(excinfo.value, (exceptions.SafetorchError,
+                                                                 exceptions.SafetorchWarning))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: Any, call: Any) -> Any:
+    """A finding that fails a test (strict mode, or a warning filter set to error): its traceback ends on the test's
+    line, not in torch or safetorch, and the short summary starts with the finding itself, not its type's name."""
+    finding = call.excinfo is not None and _finding(call.excinfo)
+    if finding:
+        from _pytest._code.code import Traceback
+
+        from safetorch._report import prune_traceback
+
+        prune_traceback(call.excinfo.tb)  # in place: the exception's own __traceback__ is this chain too
+        call.excinfo.traceback = Traceback(call.excinfo.tb)
+    outcome = yield
+    crash = getattr(getattr(outcome.get_result(), "longrepr", None), "reprcrash", None)
+    if finding and crash is not None:
+        crash.message = str(call.excinfo.value)

@@ -208,6 +208,28 @@ def test_plugin_strict_fails_the_test(tmp_path: str) -> None:
         proc = _pytest(tmp_path, *args, ini=ini)
         assert proc.returncode == 1
         assert "SafetorchError: ST001 x.double() returns a copy" in proc.stdout
+        # the failure ends on the test's line, and the short summary starts with the finding, not its type
+        assert "test_user.py:5: SafetorchError" in proc.stdout
+        assert "FAILED test_user.py::test_discards - ST001 x.double()" in proc.stdout
+
+
+EVAL_TEST = textwrap.dedent("""\
+    import torch
+
+    def test_eval():
+        m = torch.nn.Linear(2, 2).eval()
+        for _ in range(2):
+            m(torch.ones(1, 2))
+""")
+
+
+def test_plugin_strict_failure_of_an_eval_forward_shows_no_torch_frame(tmp_path: str) -> None:
+    with open(os.path.join(tmp_path, "test_eval.py"), "w") as fh:
+        fh.write(EVAL_TEST)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--safetorch-strict",
+                           "test_eval.py"], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=180)
+    assert proc.returncode == 1
+    assert "test_eval.py:6: SafetorchError" in proc.stdout and "module.py" not in proc.stdout
     assert "ST001" in _pytest(tmp_path, ini="safetorch = true\n").stdout
 
 
