@@ -25,7 +25,17 @@ from ._install import installed_checks as installed_checks
 from ._install import uninstall as uninstall
 from ._rules import RULES as RULES
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("safetorch")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "RULES",

@@ -23,6 +23,13 @@ from safetorch.checks.legacy_reduction import loss_classes, loss_functions
 
 from .conftest import findings, lineno
 
+# torch's own notices about what these tests exercise on purpose (legacy losses, experimental dtypes)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:reduction. 'mean' divides the total loss:UserWarning"),
+    pytest.mark.filterwarnings('ignore:`NLLLoss2d` has been deprecated:FutureWarning'),
+    pytest.mark.filterwarnings('ignore:size_average and reduce args will be deprecated:UserWarning'),
+]
+
 COMBOS = list(itertools.product([None, True, False], repeat=2))
 CLASSES = loss_classes()
 FUNCTIONS = loss_functions()

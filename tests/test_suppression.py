@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import linecache
 import os
 import textwrap
 from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -61,3 +64,30 @@ def test_the_summary_and_the_json_leave_silenced_lines_out(tmp_path: Any) -> Non
     assert "safetorch: 1 finding(s) at 1 occurrence(s)" in proc.stderr and ":3" not in proc.stderr
     with open(report) as fh:
         assert [d["line"] for d in json.load(fh)] == [4]
+
+
+@pytest.mark.parametrize("code", sorted(safetorch.RULES))
+def test_every_rule_is_silenced_on_the_line_it_reports(code: str) -> None:
+    """Each rule's pitfall (from test_raise_path), run once to find the line it reports, then again with
+    `# safetorch: ignore[<code>]` on that line: silent, and nothing in the summary."""
+    from . import test_raise_path
+
+    pitfall = test_raise_path.PITFALLS[code]
+    category = safetorch.RULES[code].category
+    source = textwrap.dedent(inspect.getsource(pitfall))
+    scope = dict(vars(test_raise_path))
+
+    def run(text: str, filename: str) -> list[Any]:
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        exec(compile(text, filename, "exec"), scope)
+        with findings() as got:
+            scope[pitfall.__name__]()
+        return [w for w in got if w.category is category]
+
+    reported = {w.lineno for w in run(source, f"<{code} pitfall>")}
+    assert len(reported) == 1
+    line = reported.pop()
+    lines = source.splitlines(True)
+    lines[line - 1] = lines[line - 1].rstrip("\n") + f"  # safetorch: ignore[{code}]\n"
+    assert run("".join(lines), f"<{code} pitfall, silenced>") == []
+    assert not any(s.filename == f"<{code} pitfall, silenced>" for s in _report.findings())

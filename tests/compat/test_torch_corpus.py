@@ -17,6 +17,12 @@ import safetorch
 
 from . import COUNTS
 
+# torch's own notices about what these tests exercise on purpose (legacy losses, experimental dtypes)
+pytestmark = [
+    pytest.mark.filterwarnings('ignore:ComplexHalf support is experimental:UserWarning'),
+    pytest.mark.filterwarnings("ignore:reduction. 'mean' divides the total loss:UserWarning"),
+]
+
 
 @functools.lru_cache(maxsize=1)
 def _module_db() -> list[Any]:
