@@ -8,18 +8,10 @@ from __future__ import annotations
 
 from . import functional as functional
 from . import nn as nn
-from ._exceptions import DiscardedConversionWarning as DiscardedConversionWarning
-from ._exceptions import EmptyCacheLoopWarning as EmptyCacheLoopWarning
-from ._exceptions import EvalModeGradWarning as EvalModeGradWarning
-from ._exceptions import EvalModeTrainingWarning as EvalModeTrainingWarning
-from ._exceptions import GraphAccumulationWarning as GraphAccumulationWarning
-from ._exceptions import LegacyReductionWarning as LegacyReductionWarning
-from ._exceptions import NonFiniteLossWarning as NonFiniteLossWarning
 from ._exceptions import SafetorchConfigWarning as SafetorchConfigWarning
 from ._exceptions import SafetorchError as SafetorchError
 from ._exceptions import SafetorchInternalWarning as SafetorchInternalWarning
 from ._exceptions import SafetorchWarning as SafetorchWarning
-from ._exceptions import VolatileVariableWarning as VolatileVariableWarning
 from ._install import install as install
 from ._install import installed_checks as installed_checks
 from ._install import uninstall as uninstall
@@ -37,20 +29,18 @@ def _version() -> str:
 
 __version__ = _version()
 
+# One warning class per rule, declared by its check beside its `Rule`: exported from the rule table, so that a new
+# rule touches no file here (``safetorch.EvalModeGradWarning``, ``warnings.filterwarnings(..., category=...)``).
+_RULE_WARNINGS = {rule.category.__name__: rule.category for rule in RULES.values()}
+globals().update(_RULE_WARNINGS)
+
 __all__ = [
     "RULES",
-    "DiscardedConversionWarning",
-    "EmptyCacheLoopWarning",
-    "EvalModeGradWarning",
-    "EvalModeTrainingWarning",
-    "GraphAccumulationWarning",
-    "LegacyReductionWarning",
-    "NonFiniteLossWarning",
     "SafetorchConfigWarning",
     "SafetorchError",
     "SafetorchInternalWarning",
     "SafetorchWarning",
-    "VolatileVariableWarning",
+    *sorted(_RULE_WARNINGS),
     "functional",
     "install",
     "installed_checks",

@@ -10,9 +10,18 @@ import os
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from types import ModuleType
 
-from . import _rules
 from ._exceptions import SafetorchConfigWarning
+
+
+def _rules() -> ModuleType:
+    """The rule table, imported at first use: it is collected from the check modules, which import the reporter,
+    which imports this module."""
+    from . import _rules as rules
+
+    return rules
+
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -72,10 +81,10 @@ def parse_ignore_argument(ignore: Iterable[str] | str) -> frozenset[str]:
         if not isinstance(token, str):
             raise TypeError(f"safetorch: ignore= takes rule codes or names, as a string ('ST004,ST007') or an "
                             f"iterable of strings, not {type(token).__name__} {token!r}; valid rules are "
-                            f"{_rules.valid_tokens()}")
-        code = _rules.resolve(token)
+                            f"{_rules().valid_tokens()}")
+        code = _rules().resolve(token)
         if code is None:
-            raise ValueError(f"safetorch: unknown rule {token!r} in ignore=; valid rules are {_rules.valid_tokens()}")
+            raise ValueError(f"safetorch: unknown rule {token!r} in ignore=; valid rules are {_rules().valid_tokens()}")
         codes.add(code)
     return frozenset(codes)
 
@@ -95,9 +104,9 @@ def from_environ(environ: dict[str, str] | os._Environ[str] | None = None) -> Co
     env = os.environ if environ is None else environ
     ignore = set()
     for token in _split(env.get("SAFETORCH_IGNORE", "")):
-        code = _rules.resolve(token)
+        code = _rules().resolve(token)
         if code is None:
-            _warn(f"SAFETORCH_IGNORE names an unknown rule {token!r}; it is ignored. Valid: {_rules.valid_tokens()}")
+            _warn(f"SAFETORCH_IGNORE names an unknown rule {token!r}; it is ignored. Valid: {_rules().valid_tokens()}")
         else:
             ignore.add(code)
     report = parse_report(env.get("SAFETORCH_REPORT", "1"))

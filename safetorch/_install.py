@@ -19,19 +19,14 @@ from . import _callsite, _config, _notebook, _report
 from ._exceptions import SafetorchConfigWarning, SafetorchError, SafetorchWarning
 from ._patch import registry, wrapt_c_extension
 
-__all__ = ["CHECKS", "install", "installed_checks", "uninstall"]
+__all__ = ["checks", "install", "installed_checks", "uninstall"]
 
-#: Rule code -> module under safetorch.checks. A new check adds one line here and touches no other check.
-CHECKS: dict[str, str] = {
-    "ST001": "discarded_conversion",
-    "ST002": "legacy_reduction",
-    "ST003": "eval_mode_grad",
-    "ST004": "graph_accumulation",
-    "ST005": "volatile_variable",
-    "ST006": "non_finite_loss",
-    "ST007": "empty_cache_loop",
-    "ST008": "eval_mode_training",
-}
+def checks() -> dict[str, str]:
+    """Rule code -> its module under safetorch.checks, from the rule table (each check declares its own rule)."""
+    from ._rules import RULES
+
+    return {code: rule.module for code, rule in RULES.items()}
+
 
 _CORE = "core"
 _installed: set[str] = set()
@@ -48,7 +43,7 @@ def _environment() -> _config.Config:
 
 
 def _check_module(code: str) -> ModuleType:
-    return importlib.import_module(f"safetorch.checks.{CHECKS[code]}")
+    return importlib.import_module(f"safetorch.checks.{checks()[code]}")
 
 
 def _teardown(code: str) -> None:
@@ -102,7 +97,7 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
         _config.current = cfg
         if cfg.disabled:
             return
-        wanted = {code for code in CHECKS if code not in cfg.ignore}
+        wanted = {code for code in checks() if code not in cfg.ignore}
         for code in sorted(_installed - wanted):
             _teardown(code)
         for code in sorted(wanted - _installed):

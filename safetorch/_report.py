@@ -26,10 +26,20 @@ from typing import Any
 
 from . import _config, _notebook
 from ._exceptions import SafetorchError, SafetorchInternalWarning
-from ._rules import RULES
-from ._rules import resolve as _resolve
 
 __all__ = ["Site", "findings", "internal_error", "is_internal", "report", "report_at", "reset", "user_frame"]
+
+
+_RULES: dict[str, Any] = {}
+
+
+def _rule(code: str) -> Any:
+    """The rule of a code. The table is read at first use: the check modules it is collected from import this one."""
+    if not _RULES:
+        from ._rules import RULES
+
+        _RULES.update(RULES)
+    return _RULES[code]
 
 
 def _package_dir(module: str) -> str:
@@ -144,13 +154,13 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
                 _sites.setdefault(key, Site(code, filename, lineno, "", suppressed=True, shown=True))
             return
         text = message() if callable(message) else message
-        rule = RULES[code]
+        rule = _rule(code)
         if _WORLD > 1 and rule.per_rank:
             text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
         shown_as = _notebook.cell_name(filename) or filename  # `Cell In[5]` for a Jupyter cell
         with _lock:
             site = _sites.setdefault(key, Site(code, shown_as, lineno, text, rank=_RANK if _WORLD > 1 else None))
-    rule = RULES[code]
+    rule = _rule(code)
     if strict:  # every rank raises; the site stays in the summary and the JSON report
         site.shown = True
         raise SafetorchError(site.message, code=code, filename=site.filename, lineno=lineno)
@@ -188,7 +198,9 @@ def suppressed(code: str, filename: str, lineno: int, module_globals: dict[str, 
         return False
     if match.group(1) is None:
         return True
-    return code in {_resolve(t) for t in re.split(r"[,\s]+", match.group(1)) if t}
+    from ._rules import resolve
+
+    return code in {resolve(t) for t in re.split(r"[,\s]+", match.group(1)) if t}
 
 
 def _module_name(filename: str) -> str:
@@ -281,7 +293,7 @@ summary_by_host = False
 
 def shown_here(site: Site) -> bool:
     """Whether this process prints the site: under torchrun, rank 0 prints what every rank sees."""
-    return _RANK == 0 or RULES[site.code].per_rank
+    return _RANK == 0 or _rule(site.code).per_rank
 
 
 def format_summary() -> str:

@@ -1,58 +1,42 @@
-"""The stable table of rule codes: code, short name, warning category, one-line summary.
+"""The rule table, derived: every check module under ``safetorch.checks`` declares its rule once (``RULE =
+Rule(code, name, warning class, summary, per_rank)``), and this module collects them, ordered by code.
 
-This table is the contract (design.md); a check module refers to its row by code. Names are accepted wherever
-codes are (``SAFETORCH_IGNORE=graph-accumulation``).
+Adding a rule is one check file (its code, its warning class, its `Rule`, its ``install``), one test file and one
+docs page: the package's exports, the installer's table, the runner's help and the names ``SAFETORCH_IGNORE``
+accepts follow from here. Names are accepted wherever codes are (``SAFETORCH_IGNORE=graph-accumulation``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import importlib
+import pkgutil
 
-from ._exceptions import (
-    DiscardedConversionWarning,
-    EmptyCacheLoopWarning,
-    EvalModeGradWarning,
-    EvalModeTrainingWarning,
-    GraphAccumulationWarning,
-    LegacyReductionWarning,
-    NonFiniteLossWarning,
-    SafetorchWarning,
-    VolatileVariableWarning,
-)
+from . import checks
+from ._rule import Rule
+
+__all__ = ["RULES", "Rule", "resolve", "valid_tokens"]
 
 
-@dataclass(frozen=True)
-class Rule:
-    code: str
-    name: str
-    category: type[SafetorchWarning]
-    summary: str
-    #: Under torchrun every rank runs the same code, so a finding is printed by rank 0 only; a per-rank finding
-    #: (a NaN loss on one rank's data) is printed by each rank that sees it, with its rank.
-    per_rank: bool = False
+def _collect() -> dict[str, Rule]:
+    found: dict[str, Rule] = {}
+    for info in pkgutil.iter_modules(checks.__path__):
+        try:
+            module = importlib.import_module(f"{checks.__name__}.{info.name}")
+        except Exception as exc:  # a torch without an API one check needs must not stop the others
+            from ._report import internal_error
+
+            internal_error(info.name, exc, "could not be imported")
+            continue
+        rule = getattr(module, "RULE", None)
+        if isinstance(rule, Rule):
+            if rule.code in found:
+                raise RuntimeError(f"safetorch: {rule.code} is declared twice ({found[rule.code].module}, {info.name})")
+            found[rule.code] = dataclasses.replace(rule, module=info.name)
+    return dict(sorted(found.items()))
 
 
-RULES: dict[str, Rule] = {
-    r.code: r
-    for r in (
-        Rule("ST001", "discarded-conversion", DiscardedConversionWarning,
-             "result of an out-of-place tensor conversion discarded"),
-        Rule("ST002", "legacy-reduction", LegacyReductionWarning,
-             "legacy size_average/reduce or reduction='elementwise_mean' on a loss"),
-        Rule("ST003", "eval-mode-grad", EvalModeGradWarning,
-             "forward of an eval-mode model with autograd on, for nothing"),
-        Rule("ST004", "graph-accumulation", GraphAccumulationWarning,
-             "a loss carrying a graph accumulated into a Python number"),
-        Rule("ST005", "volatile-variable", VolatileVariableWarning,
-             "Variable(..., volatile=True), which has no effect since torch 0.4"),
-        Rule("ST006", "non-finite-loss", NonFiniteLossWarning,
-             "a NaN or infinite loss reaching backward()", per_rank=True),
-        Rule("ST007", "empty-cache-loop", EmptyCacheLoopWarning,
-             "torch.cuda.empty_cache() called over and over from one line"),
-        Rule("ST008", "eval-mode-training", EvalModeTrainingWarning,
-             "an optimizer trains parameters of a model called top-level in eval mode"),
-    )
-}
+RULES: dict[str, Rule] = _collect()
 
 _BY_NAME = {r.name: r.code for r in RULES.values()}
 

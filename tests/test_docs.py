@@ -21,3 +21,18 @@ def test_every_rule_has_a_page_with_code_and_a_way_to_silence_it(code: str) -> N
     assert f"# safetorch: ignore[{code}]" in page and f"SAFETORCH_IGNORE={code}" in page
     with open(os.path.join(ROOT, "README.md")) as fh:
         assert f"| [{code}](docs/rules/{code}.md) |" in fh.read()
+
+
+def test_everything_about_a_rule_is_derived_from_its_one_declaration() -> None:
+    """A rule is declared once, in its check module (RULE = Rule(...)): the exports, __all__, the installer's table
+    and the accepted names follow from it."""
+    from safetorch import _install, _rules
+
+    for code, rule in safetorch.RULES.items():
+        module = __import__(f"safetorch.checks.{rule.module}", fromlist=["RULE"])
+        assert module.RULE.code == code and module.RULE.category is rule.category
+        assert getattr(safetorch, rule.category.__name__) is rule.category
+        assert rule.category.__name__ in safetorch.__all__ and rule.category.__module__ == "safetorch"
+        assert _rules.resolve(rule.name) == code and _rules.resolve(code.lower()) == code
+    assert _install.checks() == {code: rule.module for code, rule in safetorch.RULES.items()}
+    assert safetorch.installed_checks() == sorted(safetorch.RULES)

@@ -16,10 +16,22 @@ import torch
 
 from .._callsite import calls_method, is_discarded, method_call
 from .._compat import is_compiling
+from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
+from .._rule import Rule
 
 CODE = "ST001"
+
+
+class DiscardedConversionWarning(SafetorchWarning):
+    """ST001: the result of an out-of-place tensor conversion was discarded."""
+
+    code = "ST001"
+
+
+RULE = Rule("ST001", "discarded-conversion", DiscardedConversionWarning,
+            "result of an out-of-place tensor conversion discarded")
 
 #: Out-of-place methods whose only effect is their result. Names missing from a torch build are skipped.
 METHODS = (

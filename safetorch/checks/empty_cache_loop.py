@@ -16,10 +16,22 @@ from typing import Any
 import torch
 
 from .._compat import is_compiling
+from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
+from .._rule import Rule
 
 CODE = "ST007"
+
+
+class EmptyCacheLoopWarning(SafetorchWarning):
+    """ST007: ``torch.cuda.empty_cache()`` called over and over from one line."""
+
+    code = "ST007"
+
+
+RULE = Rule("ST007", "empty-cache-loop", EmptyCacheLoopWarning,
+            "torch.cuda.empty_cache() called over and over from one line")
 THRESHOLD = 10
 WINDOW_S = 60.0
 

@@ -58,11 +58,22 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .. import _backward
 from .._callsite import callee
 from .._compat import is_compiling
-from .._exceptions import SafetorchError
+from .._exceptions import SafetorchError, SafetorchWarning
 from .._patch import Registry, registry
 from .._report import internal_error, is_internal, report_at, suppressed, user_frame
+from .._rule import Rule
 
 CODE = "ST003"
+
+
+class EvalModeGradWarning(SafetorchWarning):
+    """ST003: an eval-mode forward ran with autograd on, for nothing."""
+
+    code = "ST003"
+
+
+RULE = Rule("ST003", "eval-mode-grad", EvalModeGradWarning,
+            "forward of an eval-mode model with autograd on, for nothing")
 TRAINING_CODE = "ST008"
 GROUP = "eval-mode"  # the patches ST003 and ST008 share: in place while either is installed
 

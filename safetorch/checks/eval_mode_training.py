@@ -7,10 +7,22 @@ forward's line, naming who put the module in eval mode. This module only switche
 
 from __future__ import annotations
 
+from .._exceptions import SafetorchWarning
 from .._patch import Registry
+from .._rule import Rule
 from . import eval_mode_grad
 
 CODE = eval_mode_grad.TRAINING_CODE
+
+
+class EvalModeTrainingWarning(SafetorchWarning):
+    """ST008: an optimizer trains parameters of a model called in eval mode (dropout off, BatchNorm frozen)."""
+
+    code = "ST008"
+
+
+RULE = Rule("ST008", "eval-mode-training", EvalModeTrainingWarning,
+            "an optimizer trains parameters of a model called top-level in eval mode")
 
 
 def install(registry: Registry) -> None:

@@ -27,10 +27,22 @@ import torch
 from .. import _backward
 from .._callsite import accumulates, call_source
 from .._compat import is_compiling
+from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report, report_at
+from .._rule import Rule
 
 CODE = "ST004"
+
+
+class GraphAccumulationWarning(SafetorchWarning):
+    """ST004: a tensor carrying a graph was accumulated into a Python number."""
+
+    code = "ST004"
+
+
+RULE = Rule("ST004", "graph-accumulation", GraphAccumulationWarning,
+            "a loss carrying a graph accumulated into a Python number")
 
 _is_compiling = is_compiling
 _NUMBER = (int, float, complex)

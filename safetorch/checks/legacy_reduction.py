@@ -29,10 +29,22 @@ from torch.nn import _reduction
 from torch.nn.modules import loss as _loss
 
 from .._compat import is_compiling
+from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
+from .._rule import Rule
 
 CODE = "ST002"
+
+
+class LegacyReductionWarning(SafetorchWarning):
+    """ST002: legacy ``size_average``/``reduce`` or ``reduction='elementwise_mean'`` on a loss."""
+
+    code = "ST002"
+
+
+RULE = Rule("ST002", "legacy-reduction", LegacyReductionWarning,
+            "legacy size_average/reduce or reduction='elementwise_mean' on a loss")
 _LEGACY = ("size_average", "reduce")
 _WHAT = {"mean": "the mean over elements", "sum": "the sum over elements", "none": "one value per element"}
 

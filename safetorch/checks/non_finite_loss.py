@@ -21,10 +21,22 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _backward
 from .._callsite import method_call
+from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, report, report_at
+from .._rule import Rule
 
 CODE = "ST006"
+
+
+class NonFiniteLossWarning(SafetorchWarning):
+    """ST006: a NaN or infinite loss reached ``backward()``."""
+
+    code = "ST006"
+
+
+RULE = Rule("ST006", "non-finite-loss", NonFiniteLossWarning,
+            "a NaN or infinite loss reaching backward()", per_rank=True)
 
 CAUSES = ("the usual causes: a learning rate too high (try a smaller one, or gradient clipping), log(0) or "
           "log of a negative number, a division by zero (add an epsilon), or bad data (NaN/Inf in inputs or "

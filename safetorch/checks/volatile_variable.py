@@ -14,10 +14,22 @@ from typing import Any
 import torch
 
 from .._compat import is_compiling
+from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
+from .._rule import Rule
 
 CODE = "ST005"
+
+
+class VolatileVariableWarning(SafetorchWarning):
+    """ST005: ``Variable(..., volatile=True)`` has no effect since torch 0.4."""
+
+    code = "ST005"
+
+
+RULE = Rule("ST005", "volatile-variable", VolatileVariableWarning,
+            "Variable(..., volatile=True), which has no effect since torch 0.4")
 _VOLATILE_POSITION = 2  # Variable(data, requires_grad, volatile, ...)
 
 MESSAGE = (f"{CODE} Variable(..., volatile=True) has no effect since torch 0.4: autograd still records the graph "
