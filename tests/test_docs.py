@@ -36,3 +36,23 @@ def test_everything_about_a_rule_is_derived_from_its_one_declaration() -> None:
         assert _rules.resolve(rule.name) == code and _rules.resolve(code.lower()) == code
     assert _install.checks() == {code: rule.module for code, rule in safetorch.RULES.items()}
     assert safetorch.installed_checks() == sorted(safetorch.RULES)
+
+
+def test_the_readmes_commands_run() -> None:
+    """Every `python -m ...` command in the README's shell blocks runs from the repository root (the set-up line's
+    pip installs are what CI's .ci/run does; the test suite itself is run with --collect-only here)."""
+    import re
+    import subprocess
+    import sys
+
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        blocks = re.findall(r"```bash\n(.*?)```", fh.read(), re.S)
+    commands = [line.split("#", 1)[0].strip() for block in blocks for line in block.splitlines()]
+    commands = [c for c in commands if c.startswith("python -m ") and "venv" not in c]
+    assert "python -m safetorch examples/demo.py" in commands
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    for command in commands + ["python -m pytest --collect-only -q"]:
+        args = command.split()[1:]
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                              timeout=300)
+        assert proc.returncode == 0, (command, proc.stderr[-2000:])
