@@ -9,14 +9,16 @@ What happens, per call site (the user's line, the call instruction on it, and th
 1. The first eval-mode forward at a site runs **exactly as written**, with grad, and is watched: does its output's
    graph reach a leaf that is not a parameter of this module (an input at any depth, another model's parameters, a
    global tensor)? Does the forward itself call ``torch.autograd.grad``/``backward`` or register a tensor hook? Does
-   a backward later reach its output, or its parameters?
+   a backward later go through any node of its graph (its output, or activations a hook captured)?
 2. At the next forward there, the site is decided. If anything above was seen, the site needs gradients and is never
    touched again. Otherwise it is an evaluation: ST003 is reported, and from this forward on the site runs under
    ``no_grad`` (except a forward whose inputs require grad, at any depth, which runs as written).
 3. When a backward reached such a forward and an optimizer step then updates parameters of that module that hold
    gradients, ST008 is reported once at the forward's line, naming who put the module in eval mode.
-4. Should a backward still reach the watched output of a site decided as an evaluation (its later forwards gave no
-   gradients), it fails with a `SafetorchError` that says so, instead of training on a silently partial gradient.
+4. Should a backward still go through the watched graph of a site decided as an evaluation (its later forwards gave
+   no gradients), it fails with a `SafetorchError` that says so, instead of training on a silently partial gradient.
+   A "does not require grad" error right after one of our no_grad forwards says why when that forward's output is
+   still alive; otherwise torch's error keeps its type and message, with a note.
 
 Design rules:
 - Nothing global on the forward path: the module the program puts in eval mode (its ``eval()`` called directly, not
@@ -34,7 +36,8 @@ Design rules:
   each also as a decorator) switches the check off for its scope only, per thread, as torch's grad mode is. The
   function form ``torch.set_grad_enabled(True)`` is not a scope: Lightning's fit loop calls it, and it leaves nothing.
 - tracing (``torch.jit.trace``), ``torch.compile``/export and ``torch.func`` transforms pass straight through.
-- All state lives in one `_Sites` object that `reset` and `uninstall` clear.
+- All state lives in one `_Sites` object that `reset` and `uninstall` clear; a per-line
+  ``# safetorch: ignore[ST003]`` leaves that site alone.
 """
 
 from __future__ import annotations
