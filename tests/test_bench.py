@@ -33,7 +33,10 @@ def test_quick_bench_runs_and_writes_every_measurement(tmp_path: os.PathLike[str
         assert len(loop["with_us"]["samples"]) == len(loop["without_us"]["samples"]) == loop["rounds"]
     memory = data["memory"]
     # a forgotten-no_grad loop keeps two graphs at its peak; with safetorch, the watched first batch's graph only
-    assert 0 < memory["validation_with"]["bytes"] * 2 == memory["validation_without"]["bytes"]
+    if memory["device"] == "cpu":  # saved bytes: exact (CUDA's allocator peak is not)
+        assert 0 < memory["validation_with"]["bytes"] * 2 == memory["validation_without"]["bytes"]
+    else:
+        assert 0 < memory["validation_with"]["bytes"] < memory["validation_without"]["bytes"]
     assert memory["training_identical"] is True
     assert data["startup"]["disabled"] == {"patched_attributes": 0, "namespaces_identical": True, "checks": []}
     assert data["startup"]["import_ms"]["median"] > 0
