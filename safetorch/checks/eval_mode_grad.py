@@ -450,12 +450,17 @@ def _message(site: _Site) -> str:
             f"train through this forward)")
 
 
+def _ways_out(site: _Site) -> str:
+    return (f"To train through it: call {site.name}.train() before the forward, or wrap the forward in "
+            f"`with torch.enable_grad():`, or end that line with `# safetorch: ignore[ST003]`, or switch this check "
+            f"off with SAFETORCH_IGNORE=ST003.")
+
+
 def _lost_message(site: _Site) -> str:
     return (f"{CODE} backward() reached the output of {site.name} ({site.kind}) at {site.filename}:{site.lineno}, a "
             f"forward of an eval-mode model that safetorch took for an evaluation: nothing had used the graph of its "
             f"first forward when the second ran, so the later forwards there ran under torch.no_grad() and give no "
-            f"gradient. To train through it: call {site.name}.train() before the forward, or wrap the forward in "
-            f"`with torch.enable_grad():`, or switch this check off with SAFETORCH_IGNORE=ST003.")
+            f"gradient. {_ways_out(site)}")
 
 
 # --- ST008: an optimizer trains a model that is in eval mode ---------------------------------------------------
@@ -653,8 +658,7 @@ def _backward_error(error: RuntimeError) -> BaseException | None:
     site, starts_there = suspect
     why = (f"safetorch ran the eval-mode forward of {site.name} ({site.kind}) at {site.filename}:{site.lineno} under "
            f"torch.no_grad() (nothing had used the graph of the first forward there), so its output carries no graph. "
-           f"To train through it: call {site.name}.train() before the forward, or wrap the forward in "
-           f"`with torch.enable_grad():`, or switch this check off with SAFETORCH_IGNORE=ST003.")
+           f"{_ways_out(site)}")
     if starts_there:
         return SafetorchError(f"{CODE} backward() failed: {error}. {why}", code=CODE)
     if hasattr(error, "add_note"):
