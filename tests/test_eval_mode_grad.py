@@ -883,3 +883,24 @@ def test_python_c_and_exec_code_get_the_finding(tmp_path: Any) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "f.py:2: EvalModeGradWarning: ST003 model (Linear)" in proc.stderr  # no source to name `m` from
     assert proc.stdout.strip() == "True"
+
+
+def test_a_training_loop_pays_no_st003_listener_on_its_backwards() -> None:
+    """ST003 listens to backwards only during a watched forward and for two backwards after a no_grad forward."""
+    from safetorch import _backward
+
+    def listening() -> bool:
+        return eval_mode_grad._before_backward in _backward._before_now
+
+    model, evaluated = nn.Linear(2, 1), nn.Linear(2, 1).eval()
+    model(torch.ones(1, 2)).sum().backward()
+    assert not listening()
+    with findings():
+        for _ in range(2):
+            evaluated(torch.ones(1, 2))  # watched, then under no_grad
+    assert listening()
+    seen = []
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        seen.append(listening())
+    assert seen == [True, False, False]

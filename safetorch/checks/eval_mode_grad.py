@@ -318,6 +318,7 @@ def _watched(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs
     """The first forward at a site: exactly as written, with grad; then look at what its output's graph reaches."""
     __tracebackhide__ = True  # noqa: F841
     site.watched = True
+    _listen_to_backwards()  # a backward inside this forward means its graph is needed
     _thread.watching.append(site)
     try:
         output = _module_call_impl(module, *args, **kwargs)
@@ -438,6 +439,7 @@ def _keep_outputs(site: _Site, output: Any) -> None:
     try:
         site.outputs = [weakref.ref(t) for t in _tensors(output, [64])]
         _thread.nograd = site
+        _listen_to_backwards()
     except Exception as exc:
         internal_error(CODE, exc)
 
@@ -633,18 +635,41 @@ def _autograd_in_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwa
     return wrapped(*args, **kwargs)
 
 
+#: The listener below runs on every backward only while it has something to do: during a watched forward (a backward
+#: inside it), and for the next two backwards after a forward we ran under no_grad (the first takes note of it for its
+#: error message, the second clears that note). A training loop pays nothing for it otherwise.
+_WATCH = "ST003:backwards"
+_listening = False
+
+
+def _listen_to_backwards() -> None:
+    global _listening
+    if not _listening:
+        _listening = True
+        _backward.listen(_WATCH, before=_before_backward)
+
+
+def _stop_listening() -> None:
+    global _listening
+    if _listening:
+        _listening = False
+        _backward.unlisten(_WATCH)
+
+
 def _before_backward(tensors: Any, caller: FrameType) -> None:
     thread = _thread
     if thread.watching:
         for site in thread.watching:
             site.needs_grad("a backward inside its forward")
     site = thread.nograd
-    if site is None:
-        thread.suspect = None
+    if site is not None:
+        thread.nograd = None
+        # Still alive at the backward (``out = model(x)``, then ``loss = f(out)``): it most likely starts there.
+        thread.suspect = (site, any(r() is not None for r in site.outputs))
         return
-    thread.nograd = None
-    # Still alive at the backward (``out = model(x)``, then ``loss = f(out)``): the backward most likely starts there.
-    thread.suspect = (site, any(r() is not None for r in site.outputs))
+    thread.suspect = None
+    if not thread.watching:
+        _stop_listening()
 
 
 def _backward_error(error: RuntimeError) -> BaseException | None:
@@ -675,7 +700,7 @@ def _install_shared(registry: Registry) -> None:
         registry.wrap(cls, "__exit__", _exit_explicit, GROUP)
     registry.wrap(torch.autograd, "grad", _autograd_in_forward, GROUP)
     registry.wrap(torch.Tensor, "register_hook", _autograd_in_forward, GROUP)
-    _backward.listen(CODE, before=_before_backward, on_error=_backward_error)
+    _backward.listen(CODE, on_error=_backward_error)
 
 
 def enable(code: str, registry: Registry = registry) -> None:
@@ -689,6 +714,7 @@ def disable(code: str) -> None:
     _codes.discard(code)
     if _codes:
         return
+    _stop_listening()
     _backward.unlisten(CODE)
     registry.restore(GROUP)
     for ref, _ in list(_sites.guarded.values()):
