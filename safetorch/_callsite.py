@@ -22,7 +22,7 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["accumulates", "call_source", "callee", "calls_method", "clear", "is_discarded", "method_call",
+__all__ = ["accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded", "method_call",
            "source_line", "trim"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
@@ -138,7 +138,7 @@ def _quieted(code: CodeType, lasti: int) -> bool:
             break
     if not lineno:
         return False
-    text = linecache.getline(code.co_filename, int(lineno)).split("#", 1)[0].rstrip()
+    text = getline(code.co_filename, int(lineno)).split("#", 1)[0].rstrip()
     return text.endswith(";")
 
 
@@ -198,12 +198,13 @@ def accumulates(frame: FrameType) -> bool:
 
 def source_line(frame: FrameType) -> str:
     """The stripped source line the frame is executing, or '' when it cannot be read."""
-    return _getline(frame.f_code.co_filename, frame.f_lineno, frame).strip()
+    return getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals).strip()
 
 
-def _getline(filename: str, lineno: int, frame: FrameType) -> str:
+def getline(filename: str, lineno: int, module_globals: dict[str, Any] | None = None) -> str:
+    """A source line, or '' when it cannot be read (files, notebook cells, loaders given by ``module_globals``)."""
     try:
-        return linecache.getline(filename, lineno, frame.f_globals)
+        return linecache.getline(filename, lineno, module_globals)
     except (ImportError, OSError):  # a loader that cannot serve this module's source under its run name
         return linecache.getline(filename, lineno)
 
@@ -220,7 +221,7 @@ def call_source(frame: FrameType) -> str | None:
     line, end_line, col, end_col = positions[index]
     if line is None or end_line is None or col is None or end_col is None:
         return None
-    lines = [_getline(code.co_filename, n, frame) for n in range(line, end_line + 1)]
+    lines = [getline(code.co_filename, n, frame.f_globals) for n in range(line, end_line + 1)]
     if not lines or not all(lines):
         return None
     # Column offsets are in UTF-8 bytes.

@@ -13,7 +13,6 @@ Design rules:
 from __future__ import annotations
 
 import json
-import linecache
 import os
 import re
 import sys
@@ -25,6 +24,7 @@ from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 from . import _config, _notebook
+from ._callsite import getline
 from ._exceptions import SafetorchError, SafetorchInternalWarning
 
 __all__ = ["Site", "findings", "internal_error", "is_internal", "report", "report_at", "reset", "user_frame"]
@@ -154,8 +154,7 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
                 _sites.setdefault(key, Site(code, filename, lineno, "", suppressed=True, shown=True))
             return
         text = message() if callable(message) else message
-        rule = _rule(code)
-        if _WORLD > 1 and rule.per_rank:
+        if _WORLD > 1 and _rule(code).per_rank:
             text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
         shown_as = _notebook.cell_name(filename) or filename  # `Cell In[5]` for a Jupyter cell
         with _lock:
@@ -189,11 +188,7 @@ _SUPPRESS = re.compile(r"#\s*safetorch:\s*ignore\b(?:\[([^\]]*)\])?", re.IGNOREC
 def suppressed(code: str, filename: str, lineno: int, module_globals: dict[str, Any]) -> bool:
     """True when the line says ``# safetorch: ignore[ST001]`` (codes or names, comma-separated) or a bare
     ``# safetorch: ignore``, as ``# noqa`` does for linters. Read from the source once per call site."""
-    try:
-        line = linecache.getline(filename, lineno, module_globals)
-    except (ImportError, OSError):  # a loader that cannot serve this module's source under its run name
-        line = linecache.getline(filename, lineno)
-    match = _SUPPRESS.search(line)
+    match = _SUPPRESS.search(getline(filename, lineno, module_globals))
     if match is None:
         return False
     if match.group(1) is None:

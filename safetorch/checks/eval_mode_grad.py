@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import linecache
 import os
 import sys
 import sysconfig
@@ -59,7 +58,7 @@ from torch.autograd import grad_mode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _backward
-from .._callsite import callee
+from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchError, SafetorchWarning
 from .._patch import Registry, registry
@@ -156,15 +155,18 @@ class _Sites:
         self.step_hook: Any = None
         self.lock = threading.Lock()
 
+    @staticmethod
+    def key(module: torch.nn.Module, frame: FrameType) -> tuple[str, int, int, int]:
+        return (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti, id(module))
+
     def site(self, module: torch.nn.Module, frame: FrameType) -> _Site | None:
-        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti, id(module))
-        site = self.sites.get(key)
+        site = self.sites.get(self.key(module, frame))
         if site is not None and site.module() is module:
             return site
         return None
 
     def add(self, module: torch.nn.Module, frame: FrameType) -> _Site:
-        key = (frame.f_code.co_filename, frame.f_lineno, frame.f_lasti, id(module))
+        key = self.key(module, frame)
         site = _Site(module, frame)
         with self.lock:
             if len(self.sites) >= 4096:  # drop the sites of modules that are gone, and then the older half
@@ -552,7 +554,7 @@ def _describe(origin: Origin | None) -> str:
     if library:
         text = f"{name} at {where}"
     else:
-        line = linecache.getline(filename, lineno).strip() or "eval()"
+        line = getline(filename, lineno).strip() or "eval()"
         text = f"`{line}` at {where}" + (f" in {name}" if name else "")
     return text + (f", called from {called}" if called else "")
 
