@@ -27,11 +27,15 @@ def _sync(device: str) -> None:
 
 
 def make_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
-               frozen_bn: bool = False) -> Callable[[], float]:
+               frozen_bn: bool = False, worst_case: bool = False) -> Callable[[], float]:
     """A miniature epoch: ``steps`` training steps, then ``steps`` validation steps under no_grad, as a real loop.
 
     ``frozen_bn``: after ``model.train()`` every BatchNorm is put in eval mode by the program (fine-tuning with
-    frozen statistics), which gives ST003 one ``eval()`` call per BatchNorm per epoch to follow."""
+    frozen statistics), which gives ST003 one ``eval()`` call per BatchNorm per epoch to follow.
+
+    ``worst_case``: every training step also converts its batch three times (``.to(dtype)``, ``.to(device)``,
+    ``.float()``: the calls ST001 looks at), and every 16 steps the model goes to ``eval()`` for one validation
+    batch under ``no_grad`` and back to ``train()`` (what ST003 and ST008 follow)."""
     criterion = torch.nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
 
@@ -39,8 +43,19 @@ def make_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: 
         model.train()
         if frozen_bn:
             models.freeze_batchnorm(model)
-        for _ in range(steps):
-            loss = criterion(model(x), y)
+        for i in range(steps):
+            if worst_case:
+                if i % 16 == 15:
+                    model.eval()
+                    with torch.no_grad():
+                        criterion(model(x), y)
+                    model.train()
+                batch = x.to(torch.float32)
+                batch = batch.to(x.device)
+                batch = batch.float()
+                loss = criterion(model(batch), y)
+            else:
+                loss = criterion(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -99,6 +114,11 @@ def run(quick: bool) -> dict[str, Any]:
     for label, (model, x, classes, steps, cpu_rounds) in cpu.items():
         y = torch.randint(0, classes, (x.shape[0],))
         out[label] = measure(make_epoch(model, x, y, steps), "cpu", steps, cpu_rounds, warmup=1)
+    # The worst case for the per-call checks: three conversions per step, train/eval every 16 steps.
+    model, x = models.tiny_mlp(), torch.randn(1, 16)
+    steps, cpu_rounds = (50, 6) if quick else (100, 160)
+    out["cpu tiny MLP worst case (batch 1, 3 conversions/step, eval every 16)"] = measure(
+        make_epoch(model, x, torch.randint(0, 10, (1,)), steps, worst_case=True), "cpu", steps, cpu_rounds, warmup=1)
     x = torch.randn(4, 3, 32, 32)
     steps = 3 if quick else 5
     out["cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"] = measure(

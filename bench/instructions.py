@@ -1,4 +1,4 @@
-"""``python -m bench.instructions [--loop tiny_mlp|frozen_bn] [--steps N] [--json PATH]``: a loop's cost counted in
+"""``python -m bench.instructions [--loop tiny_mlp|tiny_mlp_worst|small_cnn|frozen_bn] [--steps N] [--json PATH]``: a loop's cost counted in
 instructions.
 
 Timings on a shared machine move by several percent between runs, whatever the repeats; the number of instructions
@@ -31,10 +31,13 @@ _PROGRAM = textwrap.dedent("""\
     torch.manual_seed(0)
     if os.environ["BENCH_LOOP"] == "frozen_bn":
         model, x = models.resnet18_like(), torch.randn(4, 3, 32, 32)
+    elif os.environ["BENCH_LOOP"] == "small_cnn":
+        model, x = models.small_cnn(), torch.randn(8, 3, 32, 32)
     else:
         model, x = models.tiny_mlp(), torch.randn(1, 16)
     epoch = make_epoch(model, x, torch.randint(0, 10, (x.shape[0],)), int(os.environ["BENCH_STEPS"]),
-                       frozen_bn=os.environ["BENCH_LOOP"] == "frozen_bn")
+                       frozen_bn=os.environ["BENCH_LOOP"] == "frozen_bn",
+                       worst_case=os.environ["BENCH_LOOP"] == "tiny_mlp_worst")
     if os.environ["BENCH_SAFETORCH"] == "0":
         safetorch.uninstall()
     epoch(); epoch()                                         # warm-up: not counted
@@ -43,6 +46,8 @@ _PROGRAM = textwrap.dedent("""\
 
 
 LOOPS = {"tiny_mlp": "cpu tiny MLP (batch 1)",
+         "tiny_mlp_worst": "cpu tiny MLP worst case (batch 1, 3 conversions/step, eval every 16)",
+         "small_cnn": "cpu small CNN (batch 8, 32x32)",
          "frozen_bn": "cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"}
 
 
@@ -82,7 +87,7 @@ def run(steps: int, loop: str = "tiny_mlp") -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=None,
-                        help="training (and validation) steps per epoch (default: 100 for tiny_mlp, 5 for frozen_bn)")
+                        help="training (and validation) steps per epoch (default: 100 for the MLPs, 10 for small_cnn, 5 for frozen_bn)")
     parser.add_argument("--loop", choices=sorted(LOOPS), default="tiny_mlp", help="which loop to count")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     result = {"machine": bench_main.machine(), "valgrind": version, "date": datetime.date.today().isoformat(),
-              **run(args.steps or (5 if args.loop == "frozen_bn" else 100), args.loop)}
+              **run(args.steps or {"frozen_bn": 5, "small_cnn": 10}.get(args.loop, 100), args.loop)}
     print(f"{result['loop']}: {result['per_step_pair']['without']} instructions per training + validation step "
           f"without safetorch, {result['per_step_pair']['with']} with it: {result['overhead_pct']:+.2f}%")
     if args.json:
