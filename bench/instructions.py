@@ -1,5 +1,6 @@
-"""``python -m bench.instructions [--loop tiny_mlp|tiny_mlp_worst|small_cnn|frozen_bn] [--steps N] [--json PATH]``: a loop's cost counted in
-instructions.
+"""``python -m bench.instructions [--loop LOOP] [--steps N] [--json PATH]``: a loop's cost counted in instructions.
+
+LOOP: tiny_mlp (the default), tiny_mlp_worst, small_cnn or frozen_bn.
 
 Timings on a shared machine move by several percent between runs, whatever the repeats; the number of instructions
 the CPU executes does not. This runs the end-to-end tiny-MLP epoch (`bench.endtoend.make_epoch`: training steps,
@@ -87,7 +88,8 @@ def run(steps: int, loop: str = "tiny_mlp") -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.instructions", description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=None,
-                        help="training (and validation) steps per epoch (default: 100 for the MLPs, 10 for small_cnn, 5 for frozen_bn)")
+                        help="training (and validation) steps per epoch "
+                             "(default: 100 for the MLPs, 10 for small_cnn, 5 for frozen_bn)")
     parser.add_argument("--loop", choices=sorted(LOOPS), default="tiny_mlp", help="which loop to count")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
