@@ -168,6 +168,7 @@ def test_st008_names_the_users_own_eval_line() -> None:
         model.eval(); eval_line = lineno()  # noqa: E702
         for _ in range(2):
             loss = model(torch.randn(4, 3)).sum(); line = lineno()  # noqa: E702
+            opt.zero_grad()
             loss.backward()
             opt.step()
     assert [(w.category, w.lineno) for w in got] == [(EvalModeTrainingWarning, line)]
@@ -850,6 +851,7 @@ def test_ignoring_st003_keeps_st008() -> None:
         outs = []
         for _ in range(3):
             outs.append(model(torch.randn(2, 6))); line = lineno()  # noqa: E702
+            opt.zero_grad()
             outs[-1].sum().backward()
             opt.step()
     assert [(w.category, w.lineno) for w in got] == [(EvalModeTrainingWarning, line)]

@@ -70,8 +70,24 @@ def st008() -> int:
     model = fakehub.from_pretrained()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
+        opt.zero_grad()
         model(torch.randn(2, 6)).sum().backward()
         opt.step(); line = lineno()  # noqa: E702  (the finding names the forward's line; it raises here)
+    return line
+
+
+def st010() -> int:
+    model = nn.Linear(2, 2).requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step(); return lineno()  # noqa: E702
+
+
+def st011() -> int:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step(); line = lineno()  # noqa: E702
     return line
 
 

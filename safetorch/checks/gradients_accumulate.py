@@ -1,0 +1,169 @@
+"""ST011: gradients accumulate across optimizer steps: ``zero_grad()`` is forgotten, so every ``step()`` uses the sum
+of the gradients of all the steps before it.
+
+How it is seen, precisely and cheaply: at a looked-at step (`safetorch._steps`: an optimizer's first steps, then a
+pair of consecutive steps in every 128) the first parameter with a gradient is *watched* until the optimizer's next
+step. Eight elements of its gradient are copied, and a tensor hook on the parameter — called by each backward that
+reaches it, *before* the gradient is accumulated — checks that the ``.grad`` tensor is still the same object and
+still holds exactly the values expected had nothing reset it (the copy, plus what each earlier backward of the
+interval added). If that chain holds up to the next ``step()``, the gradient that step uses contains the previous
+step's: ST011 at the step line.
+
+Any reset breaks the chain and keeps the rule silent: ``zero_grad()`` (``set_to_none`` or not), ``p.grad = None``,
+``p.grad.zero_()``, ``p.grad.data.zero_()`` (invisible to version counters, not to values), and any other in-place
+change (``clip_grad_norm_``, ``GradScaler.unscale_``, DDP's averaging) — so the rule can miss a forgotten
+``zero_grad()`` in such loops, but it cannot fire on a loop that resets its gradients. Correct gradient accumulation
+(several backwards, one step, then zero) resets before the interval's first backward: silent. A copy whose eight
+elements are all zero proves nothing (a reset would not change it): silent, and so is a chain whose predicted values
+are all zero at some backward (a GAN's discriminator loss can cancel the generator's step gradient exactly).
+
+Cost: nothing on the steps not looked at; on a watched interval a few 8-element tensor operations, and on CUDA one
+host synchronisation when the step decides (one step in 128 after the first ones).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.utils.hooks import unserializable_hook
+
+from .. import _steps
+from .._callsite import method_call
+from .._exceptions import SafetorchWarning
+from .._patch import Registry
+from .._report import internal_error, report, user_frame
+from .._rule import Rule
+
+CODE = "ST011"
+_K = 8  # elements compared
+
+
+class GradientsAccumulateWarning(SafetorchWarning):
+    """ST011: an optimizer step uses gradients accumulated over earlier steps (``zero_grad()`` forgotten)."""
+
+    code = "ST011"
+
+
+RULE = Rule("ST011", "gradients-accumulate-across-steps", GradientsAccumulateWarning,
+            "gradients accumulate across optimizer steps (zero_grad() forgotten)")
+
+
+@dataclass
+class _Watch:
+    step: int
+    param: weakref.ref[torch.Tensor]
+    grad: weakref.ref[torch.Tensor]
+    expected: torch.Tensor  # what the first _K elements of .grad hold if nothing reset them
+    ok: torch.Tensor  # a bool tensor on the gradient's device: the chain holds so far
+    fired: int = 0
+    broken: bool = False
+    handle: Any = field(default=None, repr=False)
+
+    def stop(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+_watches: weakref.WeakKeyDictionary[Optimizer, _Watch] = weakref.WeakKeyDictionary()
+
+
+def _head(t: torch.Tensor) -> torch.Tensor | None:
+    """The first _K elements, or None when they cannot be read without a copy."""
+    if t.layout is not torch.strided or not t.is_contiguous() or t.numel() == 0:
+        return None
+    return t.detach().view(-1)[:_K]
+
+
+def _on_backward(watch: _Watch, incoming: torch.Tensor) -> None:
+    """A backward reached the watched parameter; its gradient is not accumulated yet."""
+    try:
+        param, grad = watch.param(), watch.grad()
+        if watch.broken or param is None:
+            return
+        if grad is None or param.grad is not grad:  # set to None, or replaced since the step
+            watch.broken = True
+            return
+        now, add = _head(grad), _head(incoming)
+        if now is None or add is None or add.shape != now.shape or add.dtype != now.dtype:
+            watch.broken = True
+            return
+        # Equal to what nothing-reset predicts, and that prediction is not all zeros (which a reset would also give:
+        # a backward can cancel the step's gradient exactly, as a GAN's two losses do).
+        watch.ok = watch.ok & (now == watch.expected).all() & watch.expected.ne(0).any()
+        watch.expected = watch.expected + add
+        watch.fired += 1
+    except Exception as exc:
+        watch.broken = True
+        internal_error(CODE, exc)
+
+
+def _start(optimizer: Optimizer, step: int) -> None:
+    """Watch the first parameter whose gradient can be read without a copy (a channels-last one cannot)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is None or not p.requires_grad or g.requires_grad:
+                continue
+            head = _head(g)
+            if head is None:
+                continue
+            snapshot = head.clone()
+            watch = _Watch(step, weakref.ref(p), weakref.ref(g), snapshot, snapshot.ne(0).any())
+
+            @unserializable_hook
+            def hook(incoming: torch.Tensor, watch: _Watch = watch) -> None:
+                _on_backward(watch, incoming)
+
+            watch.handle = p.register_hook(hook)
+            _watches[optimizer] = watch
+            return
+
+
+def _stale(watch: _Watch) -> bool:
+    """At the step after the watched one: does the gradient still carry the watched step's values?"""
+    param, grad = watch.param(), watch.grad()
+    if watch.broken or not watch.fired or param is None or grad is None or param.grad is not grad:
+        return False
+    now = _head(grad)
+    return now is not None and bool(watch.ok & (now == watch.expected).all())
+
+
+def _message(name: str) -> str:
+    return (f"{CODE} {name}.step() uses the sum of the gradients of every step so far: nothing reset them since the "
+            f"last {name}.step() (a watched parameter's .grad still held that step's values when the next backward() "
+            f"added to it). Call {name}.zero_grad() once per step: before loss.backward(), or right after "
+            f"{name}.step() (to accumulate over several batches on purpose, zero after each step)")
+
+
+def _look(optimizer: Optimizer, step: int, caller: FrameType) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        watch = _watches.pop(optimizer, None)
+        if watch is not None:
+            watch.stop()
+            if watch.step == step - 1 and _stale(watch):
+                frame = user_frame(caller)
+                if frame is not None:
+                    name = method_call(frame, "step", 0)[0] or "optimizer"
+                    report(CODE, frame, lambda: _message(name))
+        if step <= _steps.FIRST or step % _steps.EVERY == 0:
+            _start(optimizer, step)
+    except Exception as exc:  # strict-mode findings pass through internal_error
+        internal_error(CODE, exc)
+
+
+def install(registry: Registry) -> None:
+    _steps.listen(CODE, _look)
+
+
+def uninstall() -> None:
+    _steps.unlisten(CODE)
+    for watch in list(_watches.values()):
+        watch.stop()
+    _watches.clear()

@@ -1,0 +1,177 @@
+"""ST011: gradients accumulate across optimizer steps (zero_grad() forgotten)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import safetorch
+from safetorch import GradientsAccumulateWarning, SafetorchError
+
+from .conftest import findings, lineno
+
+F = torch.nn.functional
+
+
+def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+
+def test_forgotten_zero_grad_warns_at_the_step_line_on_the_second_step() -> None:
+    model, opt, x, y = _setup()
+    with findings() as got:
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+            opt.step(); line = lineno()  # noqa: E702
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(GradientsAccumulateWarning, __file__, line)]
+    message = str(got[0].message)
+    assert message.startswith("ST011 opt.step() uses the sum of the gradients of every step so far")
+    assert "Call opt.zero_grad() once per step" in message
+
+
+def _train(reset: Callable[[torch.nn.Module, torch.optim.Optimizer], None], micro: int = 1,
+           steps: int = 5) -> list[torch.Tensor]:
+    model, opt, x, y = _setup()
+    for _ in range(steps):
+        reset(model, opt)
+        for k in range(micro):
+            F.cross_entropy(model(x[k::micro]), y[k::micro]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _manual_none(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _manual_zero(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def _data_zero(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.data.zero_()  # invisible to version counters
+
+
+RESETS = {
+    "optimizer.zero_grad()": lambda m, o: o.zero_grad(),
+    "optimizer.zero_grad(set_to_none=False)": lambda m, o: o.zero_grad(set_to_none=False),
+    "model.zero_grad()": lambda m, o: m.zero_grad(),
+    "p.grad = None": _manual_none,
+    "p.grad.zero_()": _manual_zero,
+    "p.grad.data.zero_()": _data_zero,
+}
+
+
+@pytest.mark.parametrize("name", RESETS)
+@pytest.mark.parametrize("micro", [1, 4])
+def test_every_way_of_resetting_stays_silent_with_the_same_numbers(name: str, micro: int) -> None:
+    with findings() as got:
+        on = _train(RESETS[name], micro)
+    assert got == []
+    safetorch.uninstall()
+    off = _train(RESETS[name], micro)
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def test_the_forgetful_loop_trains_identically_on_and_off() -> None:
+    with findings():
+        on = _train(lambda m, o: None)
+    safetorch.uninstall()
+    off = _train(lambda m, o: None)
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_gan_whose_discriminator_loss_reaches_the_generator_stays_silent(depth: int) -> None:
+    """With one linear layer each, the discriminator's backward cancels the generator's gradient exactly; with two
+    it does not: both reset before the generator's own backward, both silent."""
+    torch.manual_seed(0)
+    gen = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(depth)], torch.nn.Tanh())
+    disc = torch.nn.Linear(4, 1)
+    opt_g, opt_d = torch.optim.Adam(gen.parameters()), torch.optim.Adam(disc.parameters())
+    z = torch.randn(8, 4)
+    with findings() as got:
+        for _ in range(4):
+            opt_d.zero_grad()
+            d_loss = disc(gen(z)).mean()  # no detach: this backward adds to the generator's old gradients
+            d_loss.backward()
+            opt_d.step()
+            opt_g.zero_grad(set_to_none=False)  # ... which are reset before the generator's own backward
+            (-disc(gen(z)).mean()).backward()
+            opt_g.step()
+    assert got == []
+
+
+def test_gradient_accumulation_then_zero_after_the_step_stays_silent() -> None:
+    model, opt, x, y = _setup()
+    with findings() as got:
+        for i in range(16):
+            (F.cross_entropy(model(x), y) / 4).backward()
+            if i % 4 == 3:
+                opt.step()
+                opt.zero_grad()
+    assert got == []
+
+
+def test_strict_mode_raises_at_the_second_step() -> None:
+    safetorch.install(strict=True)
+    model, opt, x, y = _setup()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    F.cross_entropy(model(x), y).backward()
+    line = lineno() + 2
+    with pytest.raises(SafetorchError) as info:
+        opt.step()
+    assert (info.value.code, info.value.lineno) == ("ST011", line)
+
+
+def test_a_watched_parameter_saves_without_its_hook_and_without_a_warning() -> None:
+    def saved() -> bytes:
+        model, opt, x, y = _setup()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()  # watched until the next step: a hook sits on the first parameter
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        return buffer.getvalue()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        on = saved()
+    safetorch.uninstall()
+    off = saved()
+    safetorch.install()
+    assert on == off
+
+
+def test_uninstall_removes_the_watch_hooks() -> None:
+    model, opt, x, y = _setup()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    first = next(model.parameters())
+    assert first._backward_hooks
+    safetorch.uninstall()
+    assert not first._backward_hooks
+    safetorch.install()
+
+
+def test_per_line_suppression() -> None:
+    model, opt, x, y = _setup()
+    with findings() as got:
+        for _ in range(3):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()  # safetorch: ignore[ST011]
+    assert got == []
