@@ -1,0 +1,109 @@
+"""ST012: gradient clipping on AMP-scaled gradients, before ``scaler.unscale_(optimizer)``.
+
+With a ``GradScaler`` the gradients that ``scaler.scale(loss).backward()`` leaves are multiplied by the scale
+(65536 at the start): ``clip_grad_norm_(params, 1.0)`` then compares a norm 65536 times too large with 1.0 and
+shrinks every gradient, or ``clip_grad_value_`` clips scaled values — training crawls, nothing fails. AMP's recipe:
+``scaler.unscale_(optimizer)`` first, then clip.
+
+``GradScaler.scale`` and ``GradScaler.update`` are wrapped to know which enabled scalers have scaled a loss since
+their last update; ``clip_grad_norm_`` and ``clip_grad_value_`` (in ``torch.nn.utils`` and
+``torch.nn.utils.clip_grad``) look at those scalers only: one whose ``unscale_`` (or ``step``) ran for no optimizer
+since means the gradients are still scaled. Silent: ``unscale_`` first; a disabled scaler (``enabled=False``); bf16
+autocast without a scaler; clipping outside a scaled step. A program with several optimizers that unscales one and
+clips another's gradients is not seen (the scaler has unscaled something). Cost: nothing without a GradScaler; with
+one, a wrapper on two calls per step and a look at a dict at each clip.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any
+
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+from .._callsite import call_source
+from .._exceptions import SafetorchWarning
+from .._patch import Registry
+from .._report import internal_error, report, user_frame
+from .._rule import Rule
+
+try:
+    from torch.amp import GradScaler
+except ImportError:  # torch < 2.3
+    from torch.cuda.amp import GradScaler
+
+CODE = "ST012"
+
+
+class ClipScaledGradientsWarning(SafetorchWarning):
+    """ST012: gradients clipped while still multiplied by a GradScaler's scale (``unscale_`` missing)."""
+
+    code = "ST012"
+
+
+RULE = Rule("ST012", "clip-scaled-gradients", ClipScaledGradientsWarning,
+            "gradient clipping on AMP-scaled gradients before scaler.unscale_")
+
+_scaled: weakref.WeakSet[Any] = weakref.WeakSet()  # enabled scalers that scaled a loss since their last update()
+
+
+def _scale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    try:
+        if instance.is_enabled():
+            _scaled.add(instance)
+    except Exception as exc:
+        internal_error(CODE, exc)
+    return wrapped(*args, **kwargs)
+
+
+def _update(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _scaled.discard(instance)
+    return wrapped(*args, **kwargs)
+
+
+def _still_scaled(scaler: Any) -> bool:
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if states is None or getattr(scaler, "_scale", None) is None:
+        return False
+    return not any(getattr(s.get("stage"), "name", "READY") != "READY" for s in states.values())
+
+
+def _message(function: str, scale: float, call: str | None) -> str:
+    shown = f"`{' '.join(call.split())}`" if call and len(call) <= 100 else f"{function}(...)"
+    what = ("compares a gradient norm that many times too large with max_norm, and shrinks every gradient"
+            if function == "clip_grad_norm_" else "clips gradient values that are that many times too large")
+    return (f"{CODE} {shown} clips gradients still multiplied by the GradScaler's scale ({scale:g}): it {what}; "
+            f"training crawls. Call scaler.unscale_(optimizer) before clipping (scaler.step() then does not "
+            f"unscale again)")
+
+
+def _clip(function: str) -> Any:
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        if _scaled:
+            try:
+                scaler = next((s for s in list(_scaled) if _still_scaled(s)), None)
+                if scaler is not None:
+                    frame = user_frame(sys._getframe(1))
+                    if frame is not None:
+                        report(CODE, frame, lambda: _message(function, scaler.get_scale(), call_source(frame)))
+            except Exception as exc:  # strict-mode findings pass through internal_error
+                internal_error(CODE, exc)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def install(registry: Registry) -> None:
+    registry.wrap(GradScaler, "scale", _scale, CODE)
+    registry.wrap(GradScaler, "update", _update, CODE)
+    for function in ("clip_grad_norm_", "clip_grad_value_"):
+        wrapper = _clip(function)
+        for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
+            registry.wrap(owner, function, wrapper, CODE)
+
+
+def uninstall() -> None:
+    _scaled.clear()

@@ -1,0 +1,135 @@
+"""ST009: probabilities fed to a loss that wants logits (or log-probabilities).
+
+``cross_entropy`` applies ``log_softmax`` itself and ``binary_cross_entropy_with_logits`` applies ``sigmoid``
+itself; given ``softmax``/``sigmoid`` output they compute the loss of squashed scores, whose gradients almost vanish:
+the model trains slowly or not at all, and nothing fails. ``nll_loss`` wants log-probabilities: ``softmax`` output
+(not ``log_softmax``) or a ``log_softmax`` over another dimension than the classes' are the same mistake.
+
+Seen from the input's autograd graph: ``input.grad_fn``, followed up to a few shape-only nodes (view, reshape,
+permute, transpose, clone, a dtype or device copy, squeeze, slicing), is ``SoftmaxBackward0`` /
+``SigmoidBackward0``. The functional losses are wrapped (``nn.CrossEntropyLoss`` & co. call them). Silent: raw
+logits, ``log_softmax(dim=1)``, ``torch.log(probs)`` into ``nll_loss``, softmaxed *targets* (distillation, label
+smoothing: only the input is looked at), and any loss computed under ``no_grad`` (validation: the training loop,
+which has the same line or the same mistake, is where it is reported).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .. import _callsite
+from .._compat import is_compiling
+from .._exceptions import SafetorchWarning
+from .._patch import Registry
+from .._report import internal_error, report, user_frame
+from .._rule import Rule
+
+CODE = "ST009"
+
+
+class ProbabilitiesIntoLogitsLossWarning(SafetorchWarning):
+    """ST009: softmax/sigmoid output fed to a loss that applies log_softmax/sigmoid itself (or softmax into
+    ``nll_loss``)."""
+
+    code = "ST009"
+
+
+RULE = Rule("ST009", "probabilities-into-logits-loss", ProbabilitiesIntoLogitsLossWarning,
+            "softmax/sigmoid output fed to a loss that expects logits (or softmax into nll_loss)")
+
+#: Nodes that only move or reshape values: the probabilities stay probabilities through them.
+_SHAPE_ONLY = frozenset({
+    "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "PermuteBackward0", "TransposeBackward0",
+    "TransposeBackward1", "TBackward0", "CloneBackward0", "ToCopyBackward0", "SqueezeBackward0", "SqueezeBackward1",
+    "SqueezeBackward2", "SqueezeBackward3", "SqueezeBackward4", "UnsqueezeBackward0", "SliceBackward0",
+    "SelectBackward0", "ExpandBackward0", "AliasBackward0",
+})
+_HOPS = 4
+_WANTS = {"cross_entropy": "SoftmaxBackward0", "nll_loss": "SoftmaxBackward0",
+          "binary_cross_entropy_with_logits": "SigmoidBackward0"}
+
+
+def _producer(t: torch.Tensor) -> tuple[Any, int]:
+    """(the first node above ``t`` that is not shape-only, how many shape-only nodes were passed), or (None, 0)."""
+    fn = t.grad_fn
+    for hops in range(_HOPS + 1):
+        if fn is None:
+            return None, 0
+        if fn.name() not in _SHAPE_ONLY:
+            return fn, hops
+        fn = fn.next_functions[0][0] if fn.next_functions else None
+    return None, 0
+
+
+def _signed(dim: int) -> int:
+    return dim - (1 << 64) if dim >= 1 << 63 else dim  # torch shows a saved negative dim as unsigned
+
+
+def _argument(frame: FrameType) -> str:
+    node = _callsite._call_node(frame)
+    if node is not None and node.args:
+        text = ast.unparse(node.args[0])
+        if len(text) <= 60:
+            return f"`{text}`"
+    return "its input"
+
+
+def _message(loss: str, kind: str, frame: FrameType, dim: int = 0) -> str:
+    given = _argument(frame)
+    if kind == "SigmoidBackward0":
+        return (f"{CODE} {loss}() got {given}, the output of sigmoid(): it applies sigmoid itself, so it computes "
+                f"the loss of sigmoid(sigmoid(x)), whose gradients almost vanish: training stalls. Pass the logits, "
+                f"the input of sigmoid() (or keep sigmoid() and use binary_cross_entropy)")
+    if kind == "LogSoftmaxBackward0":
+        return (f"{CODE} {loss}() got {given}, a log_softmax over dim={dim}, but its classes are on dim=1: the loss "
+                f"compares the wrong values. Write log_softmax(logits, dim=1)")
+    if loss == "nll_loss":
+        return (f"{CODE} nll_loss() got {given}, the output of softmax(): nll_loss wants log-probabilities, and with "
+                f"probabilities it computes -p instead of -log(p). Write log_softmax(logits, dim=1) (or "
+                f"cross_entropy(logits, target), which is both)")
+    return (f"{CODE} {loss}() got {given}, the output of softmax(): it applies log_softmax itself, so it computes "
+            f"log_softmax(softmax(x)), whose gradients almost vanish: training stalls. Pass the logits, the "
+            f"input of softmax() (keep softmax() for reading probabilities)")
+
+
+def _check(loss: str, input: Any) -> None:
+    __tracebackhide__ = True  # noqa: F841
+    if not isinstance(input, torch.Tensor) or input.grad_fn is None or not torch.is_grad_enabled() or is_compiling():
+        return
+    fn, hops = _producer(input)
+    if fn is None:
+        return
+    kind = fn.name()
+    dim = 0
+    if kind == "LogSoftmaxBackward0" and loss == "nll_loss" and hops == 0 and input.dim() >= 2:
+        dim = _signed(fn._saved_dim)
+        if dim % input.dim() == 1:
+            return
+    elif kind != _WANTS[loss]:
+        return
+    frame = user_frame(sys._getframe(2))
+    if frame is not None:
+        report(CODE, frame, lambda: _message(loss, kind, frame, dim))
+
+
+def _wrapper(loss: str) -> Any:
+    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        try:
+            _check(loss, args[0] if args else kwargs.get("input"))
+        except Exception as exc:  # strict-mode findings pass through internal_error
+            internal_error(CODE, exc)
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+def install(registry: Registry) -> None:
+    for loss in _WANTS:
+        registry.wrap(F, loss, _wrapper(loss), CODE)
