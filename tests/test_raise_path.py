@@ -76,6 +76,11 @@ def st008() -> int:
     return line
 
 
+def st009() -> int:
+    logits = torch.ones(2, 3, requires_grad=True)
+    nn.functional.cross_entropy(logits.softmax(1), torch.zeros(2, dtype=torch.long)); return lineno()  # noqa: E702
+
+
 def st010() -> int:
     model = nn.Linear(2, 2).requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -89,6 +94,34 @@ def st011() -> int:
         model(torch.ones(1, 2)).sum().backward()
         opt.step(); line = lineno()  # noqa: E702
     return line
+
+
+def st012() -> int:
+    model = nn.Linear(2, 2)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 1.0); return lineno()  # noqa: E702
+
+
+def st013() -> int:
+    class Forgetful(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.dropout(x, 0.5)  # the finding's line, in the forward: it raises here
+
+    Forgetful().eval()(torch.ones(2))
+    return lineno() - 4
+
+
+def st014() -> int:
+    model = nn.Linear(2, 2)
+    state = {f"module.{k}": v for k, v in model.state_dict().items()}
+    model.load_state_dict(state, strict=False); return lineno()  # noqa: E702
+
+
+def st015() -> int:
+    model = nn.Linear(2, 2)
+    model.requires_grad = False
+    torch.optim.SGD(model.parameters(), lr=0.1); return lineno()  # noqa: E702
 
 
 PITFALLS: dict[str, Callable[[], int]] = {code: globals()[code.lower()] for code in safetorch.RULES}
@@ -111,7 +144,7 @@ def test_the_finding_raises_out_of_the_users_line(code: str, errors: None) -> No
     while tb.tb_next is not None:
         tb = tb.tb_next
     assert tb.tb_frame.f_code.co_filename == __file__
-    assert tb.tb_frame.f_code.co_name == code.lower()
+    assert tb.tb_frame.f_code.co_name == {"ST013": "forward"}.get(code, code.lower())
     assert torch.is_grad_enabled()
     assert not any(s.code == code and not s.shown for s in _report.findings())  # raised counts as shown
 

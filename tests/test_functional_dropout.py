@@ -1,0 +1,95 @@
+"""ST013: F.dropout without training= in the forward of an eval-mode module."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import safetorch
+from safetorch import FunctionalDropoutInEvalWarning, SafetorchError
+
+from .conftest import findings
+
+
+class Forgetful(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.fc(x), 0.5)  # the line
+
+
+class Careful(nn.Module):
+    def __init__(self, mc: bool = False) -> None:
+        super().__init__()
+        self.fc, self.drop, self.mc = nn.Linear(8, 8), nn.Dropout(0.5), mc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        h = F.dropout(h, 0.5, self.training)
+        h = F.dropout2d(h.view(1, 8, 1, 1), p=0.1, training=self.training).view(1, 8)
+        h = F.dropout(h, p=0.0)  # p=0 drops nothing, in any mode
+        return F.dropout(h, 0.5, training=True) if self.mc else h  # MC dropout, on purpose
+
+
+def _line(marker: str) -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(Forgetful.forward)
+    return start + next(i for i, text in enumerate(lines) if marker in text)
+
+
+def test_forgotten_training_warns_at_the_dropout_line_once_in_eval() -> None:
+    model = Forgetful()
+    x = torch.ones(1, 8)
+    with findings() as got:
+        model(x)  # training mode: dropping is right
+        model.eval()
+        model(x)
+        model(x)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(FunctionalDropoutInEvalWarning, __file__,
+                                                                  _line("# the line"))]
+    message = str(got[0].message)
+    assert message.startswith("ST013 `F.dropout(self.fc(x), 0.5)` in Forgetful.forward() keeps dropping after")
+    assert "Pass training=self.training (or use nn.Dropout)" in message
+
+
+def test_the_numbers_are_torchs() -> None:
+    model = Forgetful().eval()
+    torch.manual_seed(0)
+    with findings():
+        on = model(torch.ones(1, 8))
+    safetorch.uninstall()
+    torch.manual_seed(0)
+    off = model(torch.ones(1, 8))
+    safetorch.install()
+    assert torch.equal(on, off)
+
+
+@pytest.mark.parametrize("mc", [False, True])
+def test_look_alikes_stay_silent(mc: bool) -> None:
+    model = Careful(mc)
+    with findings() as got:
+        model(torch.ones(1, 8))
+        model.eval()
+        model(torch.ones(1, 8))
+        F.dropout(torch.ones(4), 0.5)  # not in a module's forward
+    assert got == []
+
+
+def test_multi_head_attention_in_eval_stays_silent() -> None:
+    mha = nn.MultiheadAttention(8, 2, dropout=0.5).eval()
+    x = torch.ones(3, 1, 8)
+    with findings() as got:
+        mha(x, x, x)
+    assert got == []
+
+
+def test_strict_mode_raises() -> None:
+    safetorch.install(strict=True)
+    with pytest.raises(SafetorchError) as info:
+        Forgetful().eval()(torch.ones(1, 8))
+    assert (info.value.code, info.value.lineno) == ("ST013", _line("# the line"))

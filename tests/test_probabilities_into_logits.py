@@ -1,0 +1,110 @@
+"""ST009: softmax/sigmoid output fed to a loss that wants logits (or softmax into nll_loss)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import safetorch
+from safetorch import ProbabilitiesIntoLogitsLossWarning, SafetorchError
+
+from .conftest import findings, lineno
+
+
+def _logits() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(4, 3, requires_grad=True), torch.randint(0, 3, (4,))
+
+
+def test_softmax_into_cross_entropy_warns_at_the_loss_line_naming_the_argument() -> None:
+    logits, y = _logits()
+    probs = F.softmax(logits, dim=1)
+    with findings() as got:
+        loss = F.cross_entropy(probs, y); line = lineno()  # noqa: E702
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(ProbabilitiesIntoLogitsLossWarning, __file__, line)]
+    message = str(got[0].message)
+    assert message.startswith("ST009 cross_entropy() got `probs`, the output of softmax(): it applies log_softmax")
+    assert "Pass the logits" in message
+    assert torch.equal(loss, F.cross_entropy(probs.detach(), y))  # the numbers are torch's
+
+
+BUGS: dict[str, tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str]] = {
+    "nn.CrossEntropyLoss(softmax)": (lambda x, y: nn.CrossEntropyLoss()(x.softmax(1), y), "cross_entropy() got"),
+    "softmax then a view": (lambda x, y: F.cross_entropy(F.softmax(x, -1).view(4, 3).clone(), y), "softmax()"),
+    "nll_loss(softmax)": (lambda x, y: F.nll_loss(torch.softmax(x, 1), y), "nll_loss wants log-probabilities"),
+    "nn.NLLLoss(softmax)": (lambda x, y: nn.NLLLoss()(x.softmax(dim=1), y), "nll_loss wants log-probabilities"),
+    "nll_loss(log_softmax(dim=0))": (lambda x, y: F.nll_loss(F.log_softmax(x, dim=0), y), "over dim=0"),
+    "bce_with_logits(sigmoid)": (lambda x, y: F.binary_cross_entropy_with_logits(x.sigmoid(), torch.ones(4, 3)),
+                                 "the output of sigmoid()"),
+    "nn.BCEWithLogitsLoss(sigmoid)": (lambda x, y: nn.BCEWithLogitsLoss()(torch.sigmoid(x), torch.ones(4, 3)),
+                                      "applies sigmoid itself"),
+}
+
+
+@pytest.mark.parametrize("name", BUGS)
+def test_every_form_of_the_mistake(name: str) -> None:
+    logits, y = _logits()
+    call, phrase = BUGS[name]
+    with findings() as got:
+        call(logits, y)
+    assert [w.category for w in got] == [ProbabilitiesIntoLogitsLossWarning]
+    assert phrase in str(got[0].message)
+
+
+LOOK_ALIKES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "raw logits": lambda x, y: F.cross_entropy(x, y),
+    "log_softmax(dim=1) into nll_loss": lambda x, y: F.nll_loss(F.log_softmax(x, dim=1), y),
+    "log_softmax(dim=-1) into nll_loss": lambda x, y: F.nll_loss(x.log_softmax(-1), y),
+    "log(probs) into nll_loss": lambda x, y: F.nll_loss(torch.log(F.softmax(x, 1)), y),
+    "softmaxed targets (distillation)": lambda x, y: F.cross_entropy(x, F.softmax(x.detach() * 2, 1)),
+    "kl_div on log_softmax and softmax": lambda x, y: F.kl_div(F.log_softmax(x, 1), F.softmax(x, 1),
+                                                              reduction="batchmean"),
+    "sigmoid into binary_cross_entropy": lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), torch.ones(4, 3)),
+    "logits into bce_with_logits": lambda x, y: F.binary_cross_entropy_with_logits(x, torch.sigmoid(x.detach())),
+    "a 4-D segmentation log_softmax over channels": lambda x, y: F.nll_loss(
+        F.log_softmax(x.view(1, 3, 2, 2), dim=1), y.view(1, 2, 2)),
+}
+
+
+@pytest.mark.parametrize("name", LOOK_ALIKES)
+def test_look_alikes_stay_silent_with_the_same_numbers(name: str) -> None:
+    logits, y = _logits()
+    with findings() as got:
+        on = LOOK_ALIKES[name](logits, y)
+        on.backward()
+    assert got == []
+    grad_on = logits.grad.clone()
+    safetorch.uninstall()
+    logits.grad = None
+    off = LOOK_ALIKES[name](logits, y)
+    off.backward()
+    safetorch.install()
+    assert torch.equal(on, off) and torch.equal(grad_on, logits.grad)
+
+
+def test_under_no_grad_it_is_not_looked_at() -> None:
+    logits, y = _logits()
+    with findings() as got, torch.no_grad():
+        F.cross_entropy(F.softmax(logits, 1), y)
+        F.cross_entropy(F.softmax(logits, 1).requires_grad_(), y)
+    assert got == []
+
+
+def test_strict_mode_raises_before_the_loss() -> None:
+    safetorch.install(strict=True)
+    logits, y = _logits()
+    line = lineno() + 2
+    with pytest.raises(SafetorchError) as info:
+        nn.CrossEntropyLoss()(logits.softmax(1), y)
+    assert (info.value.code, info.value.lineno) == ("ST009", line)
+
+
+def test_per_line_suppression() -> None:
+    logits, y = _logits()
+    with findings() as got:
+        F.cross_entropy(logits.softmax(1), y)  # safetorch: ignore[ST009]
+    assert got == []
