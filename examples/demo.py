@@ -8,6 +8,7 @@ reported: the runner installs the checks without a change to the code.)
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.autograd import Variable
 
 torch.manual_seed(0)
@@ -47,3 +48,47 @@ for _step in range(2):  # a little more training after validation, but model.tra
 model.train()
 diverged = criterion(model(images), labels) * float("nan")
 diverged.backward()  # ST006: a NaN loss reaching backward
+
+# Beyond the seed posts: the silent training bugs of ST009-ST015.
+probs = model(images).softmax(dim=1)
+criterion(probs, labels)  # ST009: cross_entropy applies log_softmax itself: pass the logits
+
+head = nn.Linear(4, 4).double()
+head_optimizer = torch.optim.SGD(head.parameters(), lr=0.01)
+head.requires_grad_(False)  # frozen after its optimizer was built: nothing left to train
+features = model(images).permute(0, 2, 3, 1)
+head(features).sum().backward()
+head_optimizer.step()  # ST010: none of the parameters it holds has a gradient
+
+probe = nn.Linear(4, 4).double()
+probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.01)
+for _step in range(2):
+    probe(features.detach()).sum().backward()
+    probe_optimizer.step()  # ST011: zero_grad() forgotten: each step uses every earlier step's gradients
+
+scaler = torch.amp.GradScaler("cpu")
+optimizer.zero_grad()
+scaler.scale(criterion(model(images), labels)).backward()
+nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)  # ST012: clips gradients still scaled by 65536
+scaler.step(optimizer)
+scaler.update()
+
+
+class Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(F.dropout(x, 0.5))  # ST013: training= defaults to True: dropout stays on in eval
+
+
+classifier = Classifier().double().eval()
+classifier(features)
+
+checkpoint = {f"module.{k}": v for k, v in model.state_dict().items()}  # saved from DataParallel
+model.load_state_dict(checkpoint, strict=False)  # ST014: loaded nothing: the keys start with 'module.'
+
+backbone = nn.Linear(4, 4)
+backbone.requires_grad = False  # meant to freeze it: an attribute, not requires_grad_(False)
+torch.optim.SGD(backbone.parameters(), lr=0.01)  # ST015: the backbone will be trained

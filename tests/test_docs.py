@@ -56,3 +56,22 @@ def test_the_readmes_commands_run() -> None:
         proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env,
                               timeout=300)
         assert proc.returncode == 0, (command, proc.stderr[-2000:])
+
+
+def test_the_readmes_example_findings_are_what_the_examples_print() -> None:
+    """The README shows the findings of three scripts in examples/: each line is what the runner prints, verbatim."""
+    import re
+    import subprocess
+    import sys
+
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        shown = re.findall(r"^(examples/(\w+)\.py:\d+: \w+Warning: ST0\d\d .*)$", fh.read(), re.M)
+    scripts = sorted({name for _, name in shown})
+    assert scripts == ["forgot_train_toggle", "forgot_zero_grad", "softmax_into_cross_entropy"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    for name in scripts:
+        proc = subprocess.run([sys.executable, "-m", "safetorch", f"examples/{name}.py"], capture_output=True,
+                              text=True, cwd=ROOT, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        printed = [line for line in proc.stderr.splitlines() if re.match(r"examples/\w+\.py:\d+: \w+Warning", line)]
+        assert printed == [line for line, script in shown if script == name]

@@ -160,8 +160,8 @@ def test_the_demo_fires_every_rule_once_on_its_line() -> None:
     proc = _run([demo], cwd=ROOT, SAFETORCH_REPORT="0")
     assert proc.returncode == 0, proc.stderr
     with open(os.path.join(ROOT, demo)) as fh:
-        marked = {m.group(1): n for n, line in enumerate(fh, 1) if (m := re.search(r"# (ST00\d):", line))}
-    fired = re.findall(r"^examples/demo\.py:(\d+): \w+Warning: (ST00\d) ", proc.stderr, re.M)
+        marked = {m.group(1): n for n, line in enumerate(fh, 1) if (m := re.search(r"# (ST0\d\d):", line))}
+    fired = re.findall(r"^examples/demo\.py:(\d+): \w+Warning: (ST0\d\d) ", proc.stderr, re.M)
     assert sorted((code, int(line)) for line, code in fired) == sorted(marked.items())
     assert len(marked) == len(safetorch.RULES)
 

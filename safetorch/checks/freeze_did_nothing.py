@@ -50,12 +50,13 @@ def _freeze_flag(namespace: dict[str, Any]) -> str | None:
     return None
 
 
-def _modules(frame: FrameType) -> list[nn.Module]:
-    seen: dict[int, nn.Module] = {}
+def _modules(frame: FrameType) -> list[tuple[str, nn.Module]]:
+    """The modules the caller's variables hold, with the variable's name (the first one, locals first)."""
+    seen: dict[int, tuple[str, nn.Module]] = {}
     for scope in (frame.f_locals, frame.f_globals):
-        for value in list(scope.values()):
+        for name, value in list(scope.items()):
             if isinstance(value, nn.Module):
-                seen.setdefault(id(value), value)
+                seen.setdefault(id(value), (name, value))
     return list(seen.values())
 
 
@@ -75,7 +76,7 @@ def _findings(optimizer: Optimizer, frame: FrameType) -> list[str]:
                      f"module.requires_grad_(False))")
     ids = {id(p) for p in held}
     reported: set[int] = set()
-    for root in _modules(frame):
+    for variable, root in _modules(frame):
         for path, module in root.named_modules():
             if id(module) in reported:
                 continue
@@ -85,10 +86,10 @@ def _findings(optimizer: Optimizer, frame: FrameType) -> list[str]:
             trained = sum(1 for p in module.parameters() if p.requires_grad and id(p) in ids)
             if trained:
                 reported.add(id(module))
-                label = f"{type(module).__name__}{f' {path!r}' if path else ''}"
-                found.append(f"`module.{name} = False` on {label} set an attribute of the module, which freezes "
-                             f"nothing: {trained} of its parameters the optimizer holds still require grad and will "
-                             f"be trained. Write module.requires_grad_(False)")
+                label = f"{variable}.{path}" if path else variable
+                found.append(f"`{label}.{name} = False` ({type(module).__name__}) set an attribute of the module, "
+                             f"which freezes nothing: {trained} of its parameters the optimizer holds still require "
+                             f"grad and will be trained. Write {label}.requires_grad_(False)")
     return found
 
 
