@@ -104,7 +104,8 @@ namespaces = {"Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase, "F": to
               "enable_grad": torch.autograd.grad_mode.enable_grad, "no_grad": torch.autograd.grad_mode.no_grad,
               "set_grad_enabled": torch.autograd.grad_mode.set_grad_enabled, "cuda.memory": torch.cuda.memory,
               "inference_mode": torch.autograd.grad_mode.inference_mode,
-              "VariableMeta": type(torch.autograd.Variable)}
+              "VariableMeta": type(torch.autograd.Variable), "GradScaler": torch.amp.GradScaler,
+              "nn.utils": torch.nn.utils, "clip_grad": sys.modules["torch.nn.utils.clip_grad"]}
 import torch.nn.modules.loss as L
 for n, c in vars(L).items():
     if isinstance(c, type):

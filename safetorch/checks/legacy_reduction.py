@@ -2,7 +2,8 @@
 
 Every loss class and every functional loss of torch converts its legacy arguments through the same two helpers
 of ``torch.nn._reduction``: ``legacy_get_string(size_average, reduce)`` — called only when a legacy argument is
-given — and ``get_enum(reduction)``, which maps ``'elementwise_mean'``. Wrapping those two choke points covers
+given — and ``get_enum(reduction)``, which maps ``'elementwise_mean'`` (its replacement is shared with ST009:
+`safetorch._losses`). Wrapping those two choke points covers
 every loss that uses them, present or future (`loss_classes` / `loss_functions` discover them by introspection for
 the tests and the docs), and costs a correct call nothing but one string comparison in ``get_enum``: no wrapper
 frame sits between the user and a functional loss, so torch's own warnings keep pointing at the user's line.
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch.nn import _reduction
 from torch.nn.modules import loss as _loss
 
+from .. import _losses
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
@@ -129,20 +131,13 @@ def _elementwise_mean_message(api: str) -> str:
     return f"{CODE} reduction='elementwise_mean' is legacy: write reduction='mean' in {api}"
 
 
-def _get_enum(original: Any) -> Any:
-    """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it."""
-
-    def get_enum(reduction: str) -> int:
-        __tracebackhide__ = True  # noqa: F841
-        if reduction == "elementwise_mean":
-            try:
-                _found(_elementwise_mean_message)
-                return original("mean")  # type: ignore[no-any-return]
-            except Exception as exc:  # strict-mode findings pass through internal_error
-                internal_error(CODE, exc)
-        return original(reduction)  # type: ignore[no-any-return]
-
-    return get_enum
+def _elementwise_mean() -> None:
+    """``get_enum('elementwise_mean')`` (through `safetorch._losses`, which then asks torch for 'mean')."""
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        _found(_elementwise_mean_message)
+    except Exception as exc:  # strict-mode findings pass through internal_error
+        internal_error(CODE, exc)
 
 
 def _loss_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -162,5 +157,9 @@ def _loss_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
 
 def install(registry: Registry) -> None:
     registry.wrap(_reduction, "legacy_get_string", _legacy_get_string, CODE)
-    registry.replace(_reduction, "get_enum", _get_enum, CODE)
+    _losses.listen(CODE, legacy=_elementwise_mean)
     registry.wrap(_loss._Loss, "__init__", _loss_init, CODE)
+
+
+def uninstall() -> None:
+    _losses.unlisten(CODE)

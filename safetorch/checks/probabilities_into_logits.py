@@ -7,7 +7,9 @@ the model trains slowly or not at all, and nothing fails. ``nll_loss`` wants log
 
 Seen from the input's autograd graph: ``input.grad_fn``, followed up to a few shape-only nodes (view, reshape,
 permute, transpose, clone, a dtype or device copy, squeeze, slicing), is ``SoftmaxBackward0`` /
-``SigmoidBackward0``. The functional losses are wrapped (``nn.CrossEntropyLoss`` & co. call them). Silent: raw
+``SigmoidBackward0``. Nothing is wrapped: the three functional losses (which ``nn.CrossEntropyLoss`` & co. call)
+each call ``torch.nn._reduction.get_enum``, whose replacement (`safetorch._losses`, shared with ST002) reads the
+``input`` of those three by their code objects — no frame between the user and the loss. Silent: raw
 logits, ``log_softmax(dim=1)``, ``torch.log(probs)`` into ``nll_loss``, softmaxed *targets* (distillation, label
 smoothing: only the input is looked at), and any loss computed under ``no_grad`` (validation: the training loop,
 which has the same line or the same mistake, is where it is reported).
@@ -16,15 +18,14 @@ which has the same line or the same mistake, is where it is reported).
 from __future__ import annotations
 
 import ast
-import sys
+import inspect
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from .. import _callsite
-from .._compat import is_compiling
+from .. import _callsite, _losses
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, report, user_frame
@@ -98,9 +99,22 @@ def _message(loss: str, kind: str, frame: FrameType, dim: int = 0) -> str:
             f"input of softmax() (keep softmax() for reading probabilities)")
 
 
-def _check(loss: str, input: Any) -> None:
+def _look(loss: str) -> Any:
+    def look(frame: FrameType) -> None:
+        """``frame`` is the functional loss's own, calling ``get_enum``: its ``input`` is what the user passed."""
+        __tracebackhide__ = True  # noqa: F841
+        try:
+            if torch.is_grad_enabled():
+                _check(loss, frame.f_locals.get("input"), frame)
+        except Exception as exc:  # strict-mode findings pass through internal_error
+            internal_error(CODE, exc)
+
+    return look
+
+
+def _check(loss: str, input: Any, loss_frame: FrameType) -> None:
     __tracebackhide__ = True  # noqa: F841
-    if not isinstance(input, torch.Tensor) or input.grad_fn is None or not torch.is_grad_enabled() or is_compiling():
+    if not isinstance(input, torch.Tensor) or input.grad_fn is None:
         return
     fn, hops = _producer(input)
     if fn is None:
@@ -113,23 +127,14 @@ def _check(loss: str, input: Any) -> None:
             return
     elif kind != _WANTS[loss]:
         return
-    frame = user_frame(sys._getframe(2))
+    frame = user_frame(loss_frame.f_back)
     if frame is not None:
         report(CODE, frame, lambda: _message(loss, kind, frame, dim))
 
 
-def _wrapper(loss: str) -> Any:
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        __tracebackhide__ = True  # noqa: F841
-        try:
-            _check(loss, args[0] if args else kwargs.get("input"))
-        except Exception as exc:  # strict-mode findings pass through internal_error
-            internal_error(CODE, exc)
-        return wrapped(*args, **kwargs)
-
-    return wrapper
-
-
 def install(registry: Registry) -> None:
-    for loss in _WANTS:
-        registry.wrap(F, loss, _wrapper(loss), CODE)
+    _losses.listen(CODE, looks={inspect.unwrap(getattr(F, loss)).__code__: _look(loss) for loss in _WANTS})
+
+
+def uninstall() -> None:
+    _losses.unlisten(CODE)
