@@ -253,6 +253,14 @@ DDP_SCRIPT = textwrap.dedent("""\
     for _ in range(2):  # the first eval forward is watched (run as written), the second runs under no_grad
         out = model(x)
     print(f"rank {rank} eval output requires grad: {out.requires_grad}")
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):  # a correct DDP loop: the step checks stay silent
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    plain = torch.nn.Linear(4, 1)
+    plain.load_state_dict(model.state_dict(), strict=False)  # DDP's keys start with "module."
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -273,3 +281,5 @@ def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
     assert "[rank 0]" not in out
     assert out.count("EvalModeGradWarning: ST003 model (DistributedDataParallel)") == 1  # DDP in eval mode
     assert proc.stdout.count("eval output requires grad: False") == 2
+    assert out.count("StateDictLoadedNothingWarning: ST014 load_state_dict") == 1
+    assert "ST010" not in out and "ST011" not in out

@@ -92,3 +92,33 @@ def test_a_training_step_through_torch_compile() -> None:
         opt.step()
     assert torch.isfinite(loss)
     assert convnet() is not None
+
+
+def test_compiled_training_with_the_step_checks_compiles_the_same_graphs_and_numbers() -> None:
+    """ST010/ST011 watch an optimizer's first steps (ST011 puts a tensor hook on a parameter until the next step):
+    a compiled model trains to the same weights, with as many graphs and no finding."""
+    from torch._dynamo.utils import counters
+
+    def train() -> tuple[list[torch.Tensor], int]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend="eager")
+        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+        for _ in range(10):
+            opt.zero_grad()
+            F.cross_entropy(compiled(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        on, graphs_on = train()
+    assert [w for w in caught if issubclass(w.category, safetorch.SafetorchWarning)] == []
+    safetorch.uninstall()
+    off, graphs_off = train()
+    safetorch.install()
+    assert graphs_on == graphs_off
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
