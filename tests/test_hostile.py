@@ -247,3 +247,28 @@ def test_torch_function_dispatch_on_a_patched_method_behaves_as_without_safetorc
     y = t.float()
     assert len(handled) == 1 and type(y) is Logged and y.dtype == torch.float32
     assert torch.Tensor.float == torch._C.TensorBase.float  # equal to the original, which torch's allow-lists hold
+
+
+def test_patched_class_attributes_are_one_object_and_dispatch_by_identity_works() -> None:
+    """``torch.Tensor.float is torch.Tensor.float``, as without safetorch, for every attribute safetorch patches on
+    a class; a subclass dispatching on ``func is torch.Tensor.float`` (captured after import) sees its method."""
+    from safetorch._patch import registry
+
+    for owner, name in registry.touched():
+        if isinstance(owner, type):
+            assert getattr(owner, name) is getattr(owner, name), (owner, name)
+    float_method = torch.Tensor.float
+    seen: list[str] = []
+
+    class ByIdentity(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is float_method:
+                seen.append("float")
+                return torch.zeros(3)  # handled here, as a subclass with its own float() would
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    t = torch.ones(2, dtype=torch.float64).as_subclass(ByIdentity)
+    assert torch.equal(t.float(), torch.zeros(3)) and seen == ["float"]
+    assert torch.equal(torch.Tensor.float(t), torch.zeros(3)) and seen == ["float", "float"]
+    assert t.double().dtype == torch.float64 and seen == ["float", "float"]

@@ -1,8 +1,9 @@
 """ST001: the result of an out-of-place tensor conversion is discarded (``tensor.cuda()`` as a statement).
 
 ``Module.cuda()`` moves a module in place; ``Tensor.cuda()`` returns a copy and leaves the tensor where it was.
-The wrapper calls torch first, unguarded, then asks the call-site reader whether the caller throws the result
-away (the next instruction is POP_TOP): one cached dict lookup per call. Only ``torch.Tensor`` is patched, so
+Each method is replaced by a `safetorch._patch.MethodPatch` (one object per method, equal to torch's): it calls
+torch first, unguarded, then asks the call-site reader whether the caller throws the result away (the next
+instruction is POP_TOP): one cached dict lookup per call. Only ``torch.Tensor`` is patched, so
 ``nn.Module`` methods are never touched; tensor subclasses (``nn.Parameter``) inherit the check.
 """
 
@@ -17,7 +18,7 @@ import torch
 from .._callsite import calls_method, is_discarded, method_call
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
-from .._patch import Registry
+from .._patch import MethodPatch, Registry
 from .._report import internal_error, is_internal, report
 from .._rule import Rule
 
@@ -55,30 +56,34 @@ def _message(frame: FrameType, method: str, nargs: int) -> str:
             f"Assign the result: x = x.{method}(...)")
 
 
-def _wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-             _getframe: Any = sys._getframe, is_discarded: Any = is_discarded) -> Any:
-    # The hot-path names are bound as defaults: local lookups save ~15% of the wrapper's own cost.
-    __tracebackhide__ = True  # noqa: F841
-    result = wrapped(*args, **kwargs)
-    try:
-        frame = _getframe(1)
-        # The hot path is one cached lookup; the rest runs only for a discarded result. Dynamo handles tensor
-        # methods itself and never traces this wrapper; the is_compiling() exit is there should it ever do so.
-        if is_discarded(frame) and not _is_compiling() and isinstance(result, torch.Tensor) \
-                and not is_internal(frame.f_code) and calls_method(frame, wrapped.__name__) is not False:
-            # (a key function called from C, `ts.sort(key=torch.Tensor.float)`, is no discarded call: its source
-            # at this line calls something else)
-            method = wrapped.__name__
-            report(CODE, frame, lambda: _message(frame, method, len(args)))
-    except Exception as exc:  # strict-mode findings pass through internal_error
-        internal_error(CODE, exc)
-    return result
+class _Conversion(MethodPatch):
+    """``Tensor.<conversion>``: torch's method, then one cached look at whether the caller throws the result away."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        result = self.__wrapped__(*args, **kwargs)
+        try:
+            frame = _getframe(1)
+            # The hot path is one cached lookup; the rest runs only for a discarded result. Dynamo handles tensor
+            # methods itself and never traces this call; the is_compiling() exit is there should it ever do so.
+            if is_discarded(frame) and not _is_compiling() and isinstance(result, torch.Tensor) \
+                    and not is_internal(frame.f_code) and calls_method(frame, self.__name__) is not False:
+                # (a key function called from C, `ts.sort(key=torch.Tensor.float)`, is no discarded call: its source
+                # at this line calls something else)
+                method, nargs = self.__name__, len(args) - 1
+                report(CODE, frame, lambda: _message(frame, method, nargs))
+        except Exception as exc:  # strict-mode findings pass through internal_error
+            internal_error(CODE, exc)
+        return result
+
+
+_getframe = sys._getframe
 
 
 def install(registry: Registry) -> None:
     for name in METHODS:
         if hasattr(torch.Tensor, name):
-            registry.wrap(torch.Tensor, name, _wrapper, CODE)
+            registry.method(torch.Tensor, name, _Conversion, CODE)
 
 
 #: Error messages of device and dtype mismatches, which a discarded conversion typically causes later.

@@ -61,7 +61,7 @@ from .. import _backward
 from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchError, SafetorchWarning
-from .._patch import Registry, registry
+from .._patch import MethodPatch, Registry, registry
 from .._report import internal_error, is_internal, report_at, suppressed, user_frame
 from .._rule import Rule
 
@@ -637,6 +637,15 @@ def _autograd_in_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwa
     return wrapped(*args, **kwargs)
 
 
+class _RegisterHook(MethodPatch):
+    """``Tensor.register_hook`` (a `MethodPatch`: ``torch.Tensor.register_hook`` stays one object)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for site in _thread.watching:
+            site.needs_grad("autograd inside its forward")
+        return self.__wrapped__(*args, **kwargs)
+
+
 #: The listener below runs on every backward only while it has something to do: during a watched forward (a backward
 #: inside it), and for the next two backwards after a forward we ran under no_grad (the first takes note of it for its
 #: error message, the second clears that note). A training loop pays nothing for it otherwise.
@@ -701,7 +710,7 @@ def _install_shared(registry: Registry) -> None:
         registry.wrap(cls, "__enter__", _enter_explicit, GROUP)
         registry.wrap(cls, "__exit__", _exit_explicit, GROUP)
     registry.wrap(torch.autograd, "grad", _autograd_in_forward, GROUP)
-    registry.wrap(torch.Tensor, "register_hook", _autograd_in_forward, GROUP)
+    registry.method(torch.Tensor, "register_hook", _RegisterHook, GROUP)
     _backward.listen(CODE, on_error=_backward_error)
 
 

@@ -28,7 +28,7 @@ from .. import _backward
 from .._callsite import accumulates, call_source
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
-from .._patch import Registry
+from .._patch import MethodPatch, Registry
 from .._report import internal_error, is_internal, report, report_at
 from .._rule import Rule
 
@@ -99,22 +99,28 @@ def _was_backwarded(t: torch.Tensor) -> bool:
     return any(ref() is t for ref in _backwarded)
 
 
-def _radd(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-          _getframe: Any = sys._getframe) -> Any:
-    __tracebackhide__ = True  # noqa: F841
-    result = wrapped(*args, **kwargs)
-    try:
-        if (instance is not None and instance.requires_grad and args and isinstance(args[0], _NUMBER)
-                and not isinstance(args[0], bool)):
-            frame = _getframe(1)
-            if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
-                if _was_backwarded(instance):
-                    report(CODE, frame, lambda: _message(frame, instance))
-                else:
-                    _watch(frame, instance, result)
-    except Exception as exc:  # strict-mode findings pass through internal_error
-        internal_error(CODE, exc)
-    return result
+class _RAdd(MethodPatch):
+    """``Tensor.__radd__``, which Python calls only for ``number + tensor``: torch's, then a look at the call site."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        result = self.__wrapped__(*args, **kwargs)
+        try:
+            if len(args) == 2:
+                instance, other = args
+                if instance.requires_grad and isinstance(other, _NUMBER) and not isinstance(other, bool):
+                    frame = _getframe(1)
+                    if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
+                        if _was_backwarded(instance):
+                            report(CODE, frame, lambda: _message(frame, instance))
+                        else:
+                            _watch(frame, instance, result)
+        except Exception as exc:  # strict-mode findings pass through internal_error
+            internal_error(CODE, exc)
+        return result
+
+
+_getframe = sys._getframe
 
 
 def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
@@ -147,7 +153,7 @@ def _before_backward(tensors: Any, caller: FrameType) -> None:
 
 
 def install(registry: Registry) -> None:
-    registry.wrap(torch.Tensor, "__radd__", _radd, CODE)
+    registry.method(torch.Tensor, "__radd__", _RAdd, CODE)
     _backward.listen(CODE, before=_before_backward)
 
 
