@@ -31,15 +31,27 @@ Listener = Callable[[Optimizer, int, FrameType], None]
 
 _listeners: dict[str, Listener] = {}
 _now: tuple[Listener, ...] = ()
-_steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
+#: id(optimizer) -> [weak reference to it, steps counted]. Not a WeakKeyDictionary: its Python-level get/set cost
+#: about a microsecond per step; this is a dict lookup and a weakref call. Dead entries are dropped as it grows.
+_steps: dict[int, list[Any]] = {}
 _handle: Any = None
+
+
+def _count(optimizer: Optimizer) -> int:
+    entry = _steps.get(id(optimizer))
+    if entry is None or entry[0]() is not optimizer:
+        if len(_steps) >= 256:
+            for key in [k for k, (ref, _) in _steps.items() if ref() is None]:
+                del _steps[key]
+        entry = _steps[id(optimizer)] = [weakref.ref(optimizer), 0]
+    entry[1] += 1
+    return entry[1]  # type: ignore[no-any-return]
 
 
 def _before_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if len(args) > 1 and args[1] is not None or kwargs.get("closure") is not None:  # args[0] is the optimizer
         return
-    n = _steps.get(optimizer, 0) + 1
-    _steps[optimizer] = n
+    n = _count(optimizer)
     if n > FIRST and n % EVERY > 1 or is_compiling():
         return
     caller = sys._getframe(2)  # the hook <- torch's step wrapper <- the caller of step()
@@ -66,4 +78,5 @@ def unlisten(code: str) -> None:
 
 def looked_at(optimizer: Optimizer) -> int:
     """How many steps of ``optimizer`` the hook has counted (for the tests)."""
-    return _steps.get(optimizer, 0)
+    entry = _steps.get(id(optimizer))
+    return entry[1] if entry is not None and entry[0]() is optimizer else 0

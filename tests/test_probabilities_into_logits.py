@@ -108,3 +108,17 @@ def test_per_line_suppression() -> None:
     with findings() as got:
         F.cross_entropy(logits.softmax(1), y)  # safetorch: ignore[ST009]
     assert got == []
+
+
+def test_after_the_first_calls_a_new_mistake_is_seen_within_the_sample() -> None:
+    """Each loss function is looked at on its first calls, then one call in EVERY: a line that first runs late (a
+    second phase of training) is still reported, within EVERY calls."""
+    from safetorch.checks import probabilities_into_logits as rule
+
+    logits, y = _logits()
+    with findings() as got:
+        for _ in range(rule.FIRST + 5):
+            F.nll_loss(F.log_softmax(logits, 1), y)
+        for _ in range(rule.EVERY):
+            F.nll_loss(F.softmax(logits, 1), y); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(ProbabilitiesIntoLogitsLossWarning, line)]
