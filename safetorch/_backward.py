@@ -4,8 +4,9 @@ tensor it starts from).
 Design rules: ``Tensor.backward`` calls ``torch.autograd.backward``, so patching that single function sees every
 backward, and one layer is all a training step pays: a plain function put in place by `Registry.replace`, since
 every training step calls it. A check adds a listener at install and removes it at uninstall; the patch lives as
-long as one listener does. The listeners get the user's frame: the caller of ``loss.backward()``, or of
-``torch.autograd.backward(...)``.
+long as one listener does. A listener gets the tensors the backward starts from; when it has a finding it asks
+`caller` for the frame that called ``torch.autograd.backward`` (materialising a frame object costs, so the common
+case never does).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from ._report import is_internal, user_frame
 
 GROUP = "core:backward"
 
-#: ``before(tensors, caller)``: ``caller`` is the frame that called ``torch.autograd.backward``; `origin` turns it
-#: into the user's frame, which costs a walk up the stack, so listeners call it only when they have a finding.
-Before = Callable[[Any, FrameType], None]
+#: ``before(tensors)``, called directly by the patch; `caller` (from inside it) gives the frame that called
+#: ``torch.autograd.backward``, and `origin` turns that into the user's frame.
+Before = Callable[[Any], None]
 #: ``on_error(error)`` returns an exception to raise instead of torch's RuntimeError, or None.
 OnError = Callable[[RuntimeError], BaseException | None]
 
@@ -52,10 +53,9 @@ def _dispatch(original: Any) -> Any:
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
         if _before_now and not _is_compiling():
-            caller = sys._getframe(1)
             tensors = args[0] if args else kwargs.get("tensors")
             for before in _before_now:
-                before(tensors, caller)  # each listener guards its own logic; strict mode raises here
+                before(tensors)  # each listener guards its own logic; strict mode raises here
         if not _on_error:
             return original(*args, **kwargs)
         try:
@@ -69,6 +69,17 @@ def _dispatch(original: Any) -> Any:
             raise
 
     return backward
+
+
+_BACKWARD_CODE = _dispatch(None).__code__
+
+
+def caller() -> FrameType | None:
+    """From inside a listener: the frame that called ``torch.autograd.backward`` (the patch's caller)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code is not _BACKWARD_CODE:
+        frame = frame.f_back
+    return frame.f_back if frame is not None else None
 
 
 def listen(code: str, before: Before | None = None, on_error: OnError | None = None) -> None:

@@ -6,7 +6,9 @@ Design rules: every functional loss of torch calls ``get_enum(reduction)`` from 
 choke point sees every loss with its arguments one frame up, and no wrapper frame stands between the user and a
 functional loss (torch's own warnings keep pointing at the user's line, tracebacks show no safetorch frame). It is
 a plain function put in place by `Registry.replace`, as every loss calls it. A loss that a check reads is found by
-its code object: the other losses pay a dict lookup.
+its code object. Only losses computed with autograd on are looked at (there is no graph to read otherwise): the
+first `FIRST` of them, then one in `EVERY` — a check sees the mistakes that are in the code, which every call of
+its line repeats, and materialising the loss's frame is what costs. The other calls pay a counter.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+import torch
 from torch.nn import _reduction
 
 from ._compat import is_compiling
@@ -25,32 +28,47 @@ GROUP = "core:get_enum"
 
 #: ``legacy()``: called for ``reduction='elementwise_mean'``; reports it (raises in strict mode).
 Legacy = Callable[[], None]
-#: ``look(loss_frame)``: the frame of the functional loss that is calling ``get_enum``.
+#: ``look(loss_frame)``: the frame of the functional loss that is calling ``get_enum``, with autograd on.
 Look = Callable[[FrameType], None]
 
 _legacy: dict[str, Legacy] = {}
 _looks: dict[CodeType, Look] = {}
 _owners: dict[str, list[CodeType]] = {}
 _is_compiling = is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+
+#: The first FIRST losses computed with autograd on are looked at, then one in EVERY.
+FIRST = 32
+EVERY = 16
+_calls = 0
 
 
 def _dispatch(original: Any) -> Any:
     """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it."""
 
     def get_enum(reduction: str) -> int:
+        global _calls
         __tracebackhide__ = True  # noqa: F841
         if reduction == "elementwise_mean" and _legacy:
             for legacy in list(_legacy.values()):
                 legacy()
             reduction = "mean"
-        if _looks and not _is_compiling():
-            caller = sys._getframe(1)
-            look = _looks.get(caller.f_code)
-            if look is not None:
-                look(caller)
+        if _looks and _is_grad_enabled():
+            _calls += 1
+            if (_calls <= FIRST or not _calls % EVERY) and not _is_compiling():
+                caller = sys._getframe(1)
+                look = _looks.get(caller.f_code)
+                if look is not None:
+                    look(caller)
         return original(reduction)  # type: ignore[no-any-return]
 
     return get_enum
+
+
+def reset() -> None:
+    """Start counting losses again, as a new process does (for the tests)."""
+    global _calls
+    _calls = 0
 
 
 def _update() -> None:

@@ -23,7 +23,7 @@ from ._compat import is_compiling
 
 #: Every step of an optimizer's first FIRST steps is looked at, then steps EVERY*k and EVERY*k + 1.
 FIRST = 8
-EVERY = 128
+EVERY = 1024
 
 #: ``listener(optimizer, step_number, caller)``: ``caller`` is the frame that called ``step()`` (torch's wrapper's
 #: caller); `safetorch._report.user_frame` walks out of a framework's frames when there is a finding.
@@ -37,21 +37,21 @@ _steps: dict[int, list[Any]] = {}
 _handle: Any = None
 
 
-def _count(optimizer: Optimizer) -> int:
-    entry = _steps.get(id(optimizer))
-    if entry is None or entry[0]() is not optimizer:
-        if len(_steps) >= 256:
-            for key in [k for k, (ref, _) in _steps.items() if ref() is None]:
-                del _steps[key]
-        entry = _steps[id(optimizer)] = [weakref.ref(optimizer), 0]
-    entry[1] += 1
-    return entry[1]  # type: ignore[no-any-return]
+def _entry(optimizer: Optimizer) -> list[Any]:
+    if len(_steps) >= 256:
+        for key in [k for k, (ref, _) in _steps.items() if ref() is None]:
+            del _steps[key]
+    entry = _steps[id(optimizer)] = [weakref.ref(optimizer), 0]
+    return entry
 
 
 def _before_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if len(args) > 1 and args[1] is not None or kwargs.get("closure") is not None:  # args[0] is the optimizer
+    if len(args) > 1 and args[1] is not None or kwargs and kwargs.get("closure") is not None:  # args[0]: optimizer
         return
-    n = _count(optimizer)
+    entry = _steps.get(id(optimizer))
+    if entry is None or entry[0]() is not optimizer:
+        entry = _entry(optimizer)
+    n = entry[1] = entry[1] + 1
     if n > FIRST and n % EVERY > 1 or is_compiling():
         return
     caller = sys._getframe(2)  # the hook <- torch's step wrapper <- the caller of step()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import safetorch
-from safetorch import _report
+from safetorch import _losses, _report
 from safetorch.checks import eval_mode_grad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -18,10 +18,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(autouse=True)
 def _fresh_safetorch() -> Iterator[None]:
-    """Every test starts with all checks installed, not strict, and no call site reported yet."""
+    """Every test starts with all checks installed, not strict, no call site reported yet, and the sampled checks
+    counting from the start, as in a new process."""
     safetorch.install(strict=False, ignore=())
     _report.reset()
     eval_mode_grad.reset()
+    _losses.reset()
     yield
     safetorch.install(strict=False, ignore=())
     _report.reset()

@@ -111,9 +111,9 @@ def test_per_line_suppression() -> None:
 
 
 def test_after_the_first_calls_a_new_mistake_is_seen_within_the_sample() -> None:
-    """Each loss function is looked at on its first calls, then one call in EVERY: a line that first runs late (a
-    second phase of training) is still reported, within EVERY calls."""
-    from safetorch.checks import probabilities_into_logits as rule
+    """The first losses are looked at, then one call in EVERY: a line that first runs late (a second phase of
+    training) is still reported, within EVERY calls."""
+    from safetorch import _losses as rule
 
     logits, y = _logits()
     with findings() as got:

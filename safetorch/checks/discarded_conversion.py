@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .. import _callsite
 from .._callsite import calls_method, is_discarded, method_call
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
@@ -64,9 +65,13 @@ class _Conversion(MethodPatch):
         result = self.__wrapped__(*args, **kwargs)
         try:
             frame = _getframe(1)
-            # The hot path is one cached lookup; the rest runs only for a discarded result. Dynamo handles tensor
-            # methods itself and never traces this call; the is_compiling() exit is there should it ever do so.
-            if is_discarded(frame) and not _is_compiling() and isinstance(result, torch.Tensor) \
+            # The hot path is one cached lookup (`is_discarded`'s, inlined); the rest runs only for a discarded result.
+            # Dynamo handles tensor methods itself and never traces this call; the is_compiling() exit is there should
+            # it ever do so.
+            code = frame.f_code
+            entry = _answers.get(id(code) + frame.f_lasti)
+            discarded = entry[1] if entry is not None and entry[0] is code else is_discarded(frame)
+            if discarded and not _is_compiling() and isinstance(result, torch.Tensor) \
                     and not is_internal(frame.f_code) and calls_method(frame, self.__name__) is not False:
                 # (a key function called from C, `ts.sort(key=torch.Tensor.float)`, is no discarded call: its source
                 # at this line calls something else)
@@ -78,6 +83,7 @@ class _Conversion(MethodPatch):
 
 
 _getframe = sys._getframe
+_answers = _callsite._discarded  # the cache `is_discarded` fills: (code, answer) by id(code) + f_lasti
 
 
 def install(registry: Registry) -> None:

@@ -667,7 +667,7 @@ def _stop_listening() -> None:
         _backward.unlisten(_WATCH)
 
 
-def _before_backward(tensors: Any, caller: FrameType) -> None:
+def _before_backward(tensors: Any) -> None:
     thread = _thread
     if thread.watching:
         for site in thread.watching:

@@ -2,7 +2,7 @@
 of the gradients of all the steps before it.
 
 How it is seen, precisely and cheaply: at a looked-at step (`safetorch._steps`: an optimizer's first steps, then a
-pair of consecutive steps in every 128) the first parameter with a gradient is *watched* until the optimizer's next
+pair of consecutive steps in every 1024) the first parameter with a gradient is *watched* until the optimizer's next
 step. Eight elements of its gradient are copied, and a tensor hook on the parameter — called by each backward that
 reaches it, *before* the gradient is accumulated — checks that the ``.grad`` tensor is still the same object and
 still holds exactly the values expected had nothing reset it (the copy, plus what each earlier backward of the
@@ -18,7 +18,7 @@ elements are all zero proves nothing (a reset would not change it): silent, and 
 are all zero at some backward (a GAN's discriminator loss can cancel the generator's step gradient exactly).
 
 Cost: nothing on the steps not looked at; on a watched interval a few 8-element tensor operations, and on CUDA one
-host synchronisation when the step decides (one step in 128 after the first ones).
+host synchronisation when the step decides (one step in 1024 after the first ones).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
         _watches[key] = _Watch(weakref.ref(result), key[0], key[1], frame.f_globals, _message(frame, value))
 
 
-def _before_backward(tensors: Any, caller: FrameType) -> None:
+def _before_backward(tensors: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
         if isinstance(tensors, torch.Tensor):

@@ -122,7 +122,10 @@ def _finite(t: torch.Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex()) or bool(torch.isfinite(t.detach()).all())
 
 
-def _check(tensors: Any, caller: FrameType) -> None:
+def _check(tensors: Any) -> None:
+    caller = _backward.caller()
+    if caller is None:
+        return
     for t in (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors or ()):
         if not isinstance(t, torch.Tensor) or t.is_meta:
             continue
@@ -137,14 +140,14 @@ def _check(tensors: Any, caller: FrameType) -> None:
                 report(CODE, frame, lambda t=t, f=frame, m=method: _message(_name(f, m), _describe(t.detach())))
 
 
-def _before_backward(tensors: Any, caller: FrameType) -> None:
+def _before_backward(tensors: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
         if _pending:
             poll()
         if isinstance(tensors, torch.Tensor) and tensors.is_cpu and _finite(tensors):
             return  # the usual case, one finite loss on the CPU: no loop, no frame walk
-        _check(tensors, caller)
+        _check(tensors)
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 

@@ -9,8 +9,9 @@ Seen from the input's autograd graph: ``input.grad_fn``, followed up to a few sh
 permute, transpose, clone, a dtype or device copy, squeeze, slicing), is ``SoftmaxBackward0`` /
 ``SigmoidBackward0``. Nothing is wrapped: the three functional losses (which ``nn.CrossEntropyLoss`` & co. call)
 each call ``torch.nn._reduction.get_enum``, whose replacement (`safetorch._losses`, shared with ST002) reads the
-``input`` of those three by their code objects — no frame between the user and the loss. Each loss function's
-first 32 calls with autograd on are looked at, then one in 16 (`FIRST`, `EVERY`). Silent: raw logits,
+``input`` of those three by their code objects — no frame between the user and the loss. The first 32 losses
+computed with autograd on are looked at, then one in 16 (`safetorch._losses`: a line that first runs late is seen
+within 16 loss calls). Silent: raw logits,
 ``log_softmax(dim=1)``, ``torch.log(probs)`` into ``nll_loss``, softmaxed *targets* (distillation, label smoothing:
 only the input is looked at), and any loss computed under ``no_grad`` (validation: the training loop, which has the
 same line or the same mistake, is where it is reported).
@@ -100,24 +101,12 @@ def _message(loss: str, kind: str, frame: FrameType, dim: int = 0) -> str:
             f"input of softmax() (keep softmax() for reading probabilities)")
 
 
-#: Each loss function's first FIRST calls with autograd on are looked at, then one in EVERY: the mistake is in the
-#: code, so it shows on every call of its line (a line that first runs late is seen within EVERY calls).
-FIRST = 32
-EVERY = 16
-
-
 def _look(loss: str) -> Any:
-    calls = 0
-
     def look(frame: FrameType) -> None:
         """``frame`` is the functional loss's own, calling ``get_enum``: its ``input`` is what the user passed."""
-        nonlocal calls
         __tracebackhide__ = True  # noqa: F841
         try:
-            if torch.is_grad_enabled():
-                calls += 1
-                if calls <= FIRST or not calls % EVERY:
-                    _check(loss, frame.f_locals.get("input"), frame)
+            _check(loss, frame.f_locals.get("input"), frame)
         except Exception as exc:  # strict-mode findings pass through internal_error
             internal_error(CODE, exc)
 
