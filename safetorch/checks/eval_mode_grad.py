@@ -520,9 +520,18 @@ _LIBRARY_DIRS = tuple(
 )
 
 
+_libraries: dict[str, bool] = {}
+
+
 def _library(code: Any) -> bool:
+    """True for code of an installed library or the standard library (cached by file name: every eval() asks)."""
     filename = code.co_filename
-    return filename.startswith("<frozen") or os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+    answer = _libraries.get(filename)
+    if answer is None:
+        answer = filename.startswith("<frozen") or os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+        if len(_libraries) < 4096:
+            _libraries[filename] = answer
+    return answer
 
 
 def _origin(frame: FrameType | None) -> Origin | None:
@@ -561,21 +570,30 @@ def _describe(origin: Origin | None) -> str:
 
 # --- patches ---------------------------------------------------------------------------------------------------
 
-_train_code = torch.nn.Module.train.__code__
+_train_depth = threading.local()
 
 
 def _train(original: Any) -> Any:
     """``Module.train``, as a plain function (see `Registry.replace`): torch's ``train()`` calls it again for every
-    child. The guard goes on the module whose eval() the program called, not on the children it recurses into."""
+    child. The guard goes on the module whose eval() the program called, not on the children it recurses into: a
+    call made while another ``train()`` runs in this thread is a child's, and returns at once (a child's guard from
+    an earlier eval() of its own, frozen BatchNorm, removes itself at its first forward in training mode)."""
 
     def train(self: Any, mode: bool = True) -> Any:
-        result = original(self, mode)
+        local = _train_depth
+        depth = getattr(local, "n", 0)
+        local.n = depth + 1
+        try:
+            result = original(self, mode)
+        finally:
+            local.n = depth
+        if depth:
+            return result
         try:
             if self.training:
                 if "_call_impl" in self.__dict__:
                     _unguard(self)
-            elif (not _is_compiling() and sys._getframe(1).f_code is not _train_code
-                  and not isinstance(self, torch.jit.ScriptModule)):
+            elif not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
                 _guard(self, _origin(sys._getframe(1)))
         except Exception as exc:
             internal_error(CODE, exc)
