@@ -272,3 +272,16 @@ def test_patched_class_attributes_are_one_object_and_dispatch_by_identity_works(
     assert torch.equal(t.float(), torch.zeros(3)) and seen == ["float"]
     assert torch.equal(torch.Tensor.float(t), torch.zeros(3)) and seen == ["float", "float"]
     assert t.double().dtype == torch.float64 and seen == ["float", "float"]
+
+
+def test_torchs_own_dispatch_tables_keyed_by_the_original_methods_still_match() -> None:
+    """MaskedTensor registers its handlers under torch.Tensor.contiguous & co. when torch is imported, before any
+    patch: a patched method must hash and compare as the original to be found there."""
+    from torch.masked import masked_tensor
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The PyTorch API of MaskedTensors is in prototype stage"
+        mt = masked_tensor(torch.ones(2, 3), torch.tensor([[True, False, True]] * 2))
+        assert type(mt.contiguous()).__name__ == "MaskedTensor"
+        assert type(mt.to(torch.float64)).__name__ == "MaskedTensor"
+        assert torch.equal(mt.detach().get_mask(), mt.get_mask())

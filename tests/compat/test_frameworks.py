@@ -75,3 +75,37 @@ def test_evaluating_a_from_pretrained_bert_without_no_grad_gets_st003(tmp_path: 
     assert [t.grad_fn is not None for t in logits] == [True, False, False]
     assert [w.category for w in got if issubclass(w.category, safetorch.SafetorchWarning)] == [
         safetorch.EvalModeGradWarning]
+
+
+def test_the_hugging_face_trainer_loop_is_silent_and_trains_identically(tmp_path: Any) -> None:
+    """Trainer's own loop — gradient accumulation, clipping, its own zero_grad, AdamW, a scheduler, evaluation — is
+    a look-alike of every step rule (ST010–ST015): silent, and the same weights with safetorch on and off."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    _tiny_bert(str(tmp_path / "bert"))
+
+    class Rows(torch.utils.data.Dataset):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            g = torch.Generator().manual_seed(i)
+            return {"input_ids": torch.randint(0, 64, (8,), generator=g), "labels": torch.tensor(i % 2)}
+
+    def train() -> dict[str, torch.Tensor]:
+        model = transformers.BertForSequenceClassification.from_pretrained(str(tmp_path / "bert"))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, per_device_eval_batch_size=4,
+            gradient_accumulation_steps=2, max_grad_norm=1.0, num_train_epochs=2, learning_rate=1e-3,
+            logging_strategy="no", save_strategy="no", eval_strategy="epoch", report_to=[], use_cpu=True, seed=0,
+            dataloader_num_workers=0, disable_tqdm=True)
+        transformers.Trainer(model=model, args=args, train_dataset=Rows(), eval_dataset=Rows()).train()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    with findings() as got:
+        on = train()
+    assert [(w.category.__name__, str(w.message)[:80]) for w in got] == []
+    safetorch.uninstall()
+    off = train()
+    safetorch.install()
+    assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
