@@ -36,6 +36,9 @@ _on_error: dict[str, OnError] = {}
 _before_now: tuple[Before, ...] = ()  # the listeners as a tuple: what every backward iterates
 _tensor_backward_code = torch.Tensor.backward.__code__
 _is_compiling = is_compiling
+#: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``: two Python calls on
+#: every backward, where reading the flag is one attribute lookup (torch 2.3+; older releases call the function).
+_compiler = torch.compiler if hasattr(getattr(torch, "compiler", None), "_is_compiling_flag") else None
 
 
 def origin(caller: FrameType) -> tuple[FrameType | None, str]:
@@ -52,7 +55,7 @@ def _dispatch(original: Any) -> Any:
 
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        if _before_now and not _is_compiling():
+        if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):
             tensors = args[0] if args else kwargs.get("tensors")
             for before in _before_now:
                 before(tensors)  # each listener guards its own logic; strict mode raises here

@@ -86,3 +86,24 @@ def test_strict_mode_raises_at_the_optimizer_line() -> None:
     with pytest.raises(SafetorchError) as info:
         torch.optim.SGD(model.parameters(), lr=0.1)
     assert (info.value.code, info.value.lineno) == ("ST015", line)
+
+
+def test_the_typo_program_trains_identically_on_and_off() -> None:
+    """safetorch reports the freeze that froze nothing; it does not freeze anything itself."""
+    def train() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _net()
+        model[0].requires_grad = False
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    with findings():
+        on = train()
+    safetorch.uninstall()
+    off = train()
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))

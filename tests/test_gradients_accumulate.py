@@ -175,3 +175,16 @@ def test_per_line_suppression() -> None:
             F.cross_entropy(model(x), y).backward()
             opt.step()  # safetorch: ignore[ST011]
     assert got == []
+
+
+def test_no_watch_outlives_the_looked_at_steps() -> None:
+    """A watch starts only when the next step is looked at too, which ends it: between samples no parameter carries
+    a hook, so a backward pays nothing for ST011."""
+    from safetorch import _steps
+
+    model, opt, x, y = _setup()
+    for _ in range(_steps.FIRST + 4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert not any(p._backward_hooks for p in model.parameters())

@@ -122,6 +122,7 @@ def _start(optimizer: Optimizer, step: int) -> None:
 
             watch.handle = p.register_hook(hook)
             _watches[optimizer] = watch
+            weakref.finalize(optimizer, watch.stop)  # an optimizer dropped mid-interval takes its hook with it
             return
 
 
@@ -152,8 +153,8 @@ def _look(optimizer: Optimizer, step: int, caller: FrameType) -> None:
                 if frame is not None:
                     name = method_call(frame, "step", 0)[0] or "optimizer"
                     report(CODE, frame, lambda: _message(name))
-        if step <= _steps.FIRST or step % _steps.EVERY == 0:
-            _start(optimizer, step)
+        if step < _steps.FIRST or step % _steps.EVERY == 0:  # only when the next step is looked at too: a watch
+            _start(optimizer, step)                            # (and its hook) never outlives one step interval
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
