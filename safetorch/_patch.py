@@ -17,12 +17,16 @@ Design rules (from wrapt and dd-trace-py):
   * ``Module.__getstate__``, which must see its direct caller (``copy.deepcopy``).
   The plain function carries the original's doc and ``__wrapped__`` and is named after where it stands
   (``Module.train`` in ``torch.nn.modules.module``), so it inspects as the original and pickles by reference; it is
-  recorded and restored exactly like a wrapt patch. Every other patch is a wrapt wrapper.
+  recorded and restored exactly like a wrapt patch.
+- A wrapt-style wrapper on a *class* attribute (``Module.load_state_dict``, ``enable_grad.__enter__``) is put in
+  place as a plain function too (`_adapter`), which calls the wrapper as wrapt would: it binds in C like the original
+  and stays one object. The module-level ones (``F.dropout``) are wrapt wrappers.
 - The tensor methods that every training step may call (ST001's conversions: ``x.to(device)``, ``x.float()``) are
   `MethodPatch` objects (`Registry.method`): one object per method, so ``torch.Tensor.float is torch.Tensor.float``,
-  bound on each access by a Python ``__get__`` into a C ``MethodType``. On the CI machine a no-op ``x.float()``
-  measured about 1.9 µs bare + wrapper logic this way against 4.5 µs through a wrapt proxy (whose bound proxy, a
-  Python subclass of wrapt's type, is built on every access). A `MethodPatch` compares equal to, and hashes as, the
+  bound on each access by a Python ``__get__`` into a C ``MethodType``. Counted under callgrind, a no-op
+  ``x.float()`` costs about 2.5k instructions bare and 12.2k through a wrapt proxy whose wrapper does nothing (its
+  bound proxy, a Python subclass of wrapt's type, is built on every access); a `MethodPatch` with ST001's check
+  costs less than that empty wrapt proxy. A `MethodPatch` compares equal to, and hashes as, the
   method it replaces: torch's own ``__torch_function__`` implementations compare ``func`` with the methods they
   captured at import (``UninitializedParameter._allowed_methods``: ``func in [torch.Tensor.to, ...]``), and dispatch
   tables keyed by the original find it. (A plain function would be stable and cheaper still, but equal to nothing:
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -44,7 +49,7 @@ from typing import Any
 
 import wrapt
 
-__all__ = ["MethodPatch", "Registry", "is_patch", "registry", "wrapt_c_extension"]
+__all__ = ["MethodPatch", "Registry", "caller", "is_patch", "registry", "wrapt_c_extension"]
 
 _MISSING = object()
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -111,25 +116,6 @@ class Patch(wrapt.FunctionWrapper):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Patch:
         return self
-
-
-class ClassPatch(Patch):
-    """A wrapt patch on a class attribute (``Module.load_state_dict``): access through the class gives one bound
-    proxy per class, kept, so ``nn.Module.load_state_dict is nn.Module.load_state_dict`` as without safetorch; access
-    through an instance binds as wrapt does (a Python ``__get__``: about 0.2 µs more, on methods called once per step
-    at most)."""
-
-    def __init__(self, wrapped: Any, wrapper: Wrapper, owner: object, name: str) -> None:
-        super().__init__(wrapped, wrapper, owner, name)
-        self._self_st_unbound: dict[Any, Any] = {}
-
-    def __get__(self, instance: Any, owner: Any = None) -> Any:
-        if instance is None:
-            unbound = self._self_st_unbound.get(owner)
-            if unbound is None:
-                unbound = self._self_st_unbound[owner] = super().__get__(instance, owner)
-            return unbound
-        return super().__get__(instance, owner)
 
 
 class MethodPatch:
@@ -212,6 +198,49 @@ class _Record:
     group: str
 
 
+def _name_after(function: Any, owner: object, name: str) -> Any:
+    """Name a plain-function patch after where it stands, so that it pickles by reference to itself: ``Tensor.float``
+    lives on ``torch._C.TensorBase`` (its qualname says so), but the patch stands at ``torch.Tensor.float``."""
+    if isinstance(owner, types.ModuleType):
+        function.__module__, function.__qualname__ = owner.__name__, name
+    else:
+        function.__module__ = getattr(owner, "__module__", function.__module__)
+        function.__qualname__ = f"{getattr(owner, '__qualname__', getattr(owner, '__name__', name))}.{name}"
+    function.__safetorch_patch__ = True
+    return function
+
+
+def _adapter(target: Any, wrapper: Wrapper) -> Any:
+    """A class attribute's wrapt-style patch, as a plain function: it binds in C as the original function does (a
+    wrapt proxy on a class builds a bound proxy on every access, and a new one on every access through the class),
+    and it is one object, so ``nn.Module.load_state_dict is nn.Module.load_state_dict`` holds. It calls
+    ``wrapper(wrapped, instance, args, kwargs)`` as wrapt would, reading ``wrapped`` from its own ``__wrapped__`` so
+    that the registry can splice a layer out from under it. The wrapper's caller is this function's frame: a wrapper
+    that needs the program's frame asks `caller`."""
+
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        if not args:
+            return wrapper(patched.__wrapped__, None, args, kwargs)
+        instance = args[0]  # as wrapt does: the wrapper gets the original bound to the instance, and the rest
+        return wrapper(patched.__wrapped__.__get__(instance, type(instance)), instance, args[1:], kwargs)
+
+    functools.update_wrapper(patched, target)
+    return patched
+
+
+_ADAPTER_CODE = _adapter(print, lambda *a: None).__code__
+
+
+def caller(depth: int = 1) -> types.FrameType | None:
+    """The frame ``depth`` levels above the caller of this function, not counting the frames of class-attribute
+    patches (`_adapter`): what a wrapper's ``sys._getframe(1)`` is under wrapt's C extension."""
+    frame: types.FrameType | None = sys._getframe(depth + 1)
+    while frame is not None and frame.f_code is _ADAPTER_CODE:
+        frame = frame.f_back
+    return frame
+
+
 class Registry:
     """Records every attribute safetorch sets, by owner, name and group, and puts back exactly what was there.
 
@@ -245,8 +274,9 @@ class Registry:
             present, target = self._start(owner, name, group, layered=True)
             if present is not _MISSING:
                 return present
-            kind = ClassPatch if isinstance(owner, type) else Patch
-            return self._put(owner, name, kind(target, wrapper, owner, name), group, target)
+            if isinstance(owner, type):
+                return self._put(owner, name, _name_after(_adapter(target, wrapper), owner, name), group, target)
+            return self._put(owner, name, Patch(target, wrapper, owner, name), group, target)
 
     def replace(self, owner: object, name: str, factory: Callable[[Any], Callable[..., Any]], group: str) -> Any:
         """Put the plain function ``factory(original)`` at ``owner.name``; return what is in place.
@@ -260,15 +290,7 @@ class Registry:
                 return present
             function = factory(target)
             functools.update_wrapper(function, target)
-            # Named after where it stands, so that it pickles by reference to itself: ``Tensor.float`` lives on
-            # ``torch._C.TensorBase`` (its qualname says so), but the patch stands at ``torch.Tensor.float``.
-            if isinstance(owner, types.ModuleType):
-                function.__module__, function.__qualname__ = owner.__name__, name
-            else:
-                function.__module__ = getattr(owner, "__module__", function.__module__)
-                function.__qualname__ = f"{getattr(owner, '__qualname__', owner.__name__)}.{name}"  # type: ignore
-            function.__safetorch_patch__ = True  # type: ignore[attr-defined]
-            return self._put(owner, name, function, group, target)
+            return self._put(owner, name, _name_after(function, owner, name), group, target)
 
     def method(self, owner: object, name: str, kind: type[MethodPatch], group: str) -> Any:
         """Put ``kind(original, owner, name)`` at ``owner.name``; return what is in place. Like `replace`, it must

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import safetorch
-from safetorch._patch import Patch, Registry, is_patch, registry
+from safetorch._patch import Registry, is_patch, registry
 
 from .conftest import run_python
 
@@ -91,7 +91,7 @@ def test_wrapping_an_existing_patch_adds_no_layer() -> None:
     first, second = Registry(), Registry()  # e.g. two copies of the module after a reload
     p1 = first.wrap(Owner, "method", lambda w, i, a, k: w(*a, **k) + 1, "a")
     p2 = second.wrap(Owner, "method", lambda w, i, a, k: w(*a, **k) + 10, "b")
-    assert p1 is p2 and isinstance(p1, Patch)
+    assert p1 is p2 and is_patch(p1)
     assert Owner().method() == 2
 
 

@@ -8,14 +8,13 @@ which is wrapped on that metaclass alone: ``isinstance(x, Variable)`` and every 
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
-from .._patch import Registry
+from .._patch import Registry, caller
 from .._report import internal_error, is_internal, report
 from .._rule import Rule
 
@@ -42,7 +41,7 @@ def _call(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, 
     try:
         if "volatile" in kwargs or len(args) > _VOLATILE_POSITION:
             volatile = kwargs.get("volatile", args[_VOLATILE_POSITION] if len(args) > _VOLATILE_POSITION else None)
-            frame = sys._getframe(1)
+            frame = caller()
             if volatile and not is_compiling() and not is_internal(frame.f_code):
                 report(CODE, frame, MESSAGE)
                 kwargs = {k: v for k, v in kwargs.items() if k != "volatile"}
