@@ -48,7 +48,7 @@ INJECT = textwrap.dedent("""\
     legacy_reduction._legacy_message = boom   # ST002
     eval_mode_grad._inspect = boom            # ST003
     volatile_variable.report = boom           # ST005
-    non_finite_loss._finite = boom            # ST006
+    non_finite_loss._pending.append(None)     # ST006 (a scalar CPU loss is tested inline; the poll fails)
     empty_cache_loop._new_site = boom         # ST007
 """)
 
