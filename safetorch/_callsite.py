@@ -23,7 +23,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 __all__ = ["accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded", "method_call",
-           "source_line", "trim"]
+           "quoted_call", "source_line", "trim"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
 _NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
@@ -230,6 +230,13 @@ def call_source(frame: FrameType) -> str | None:
         return encoded[0][col:end_col].decode(errors="replace")
     parts = [encoded[0][col:], *encoded[1:-1], encoded[-1][:end_col]]
     return b"".join(parts).decode(errors="replace")
+
+
+def quoted_call(frame: FrameType, fallback: str, limit: int = 100) -> str:
+    """The call at the frame's instruction as a message shows it (```F.dropout(x, 0.5)```, whitespace folded), or
+    ``fallback`` when its source cannot be read or is longer than ``limit``."""
+    call = call_source(frame)
+    return f"`{' '.join(call.split())}`" if call and len(call) <= limit else fallback
 
 
 def _simple_chain(node: ast.AST) -> bool:

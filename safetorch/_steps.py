@@ -19,7 +19,9 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ._callsite import method_call
 from ._compat import is_compiling
+from ._report import report, user_frame
 
 #: Every step of an optimizer's first FIRST steps is looked at, then steps EVERY*k and EVERY*k + 1.
 FIRST = 8
@@ -80,3 +82,12 @@ def looked_at(optimizer: Optimizer) -> int:
     """How many steps of ``optimizer`` the hook has counted (for the tests)."""
     entry = _steps.get(id(optimizer))
     return entry[1] if entry is not None and entry[0]() is optimizer else 0
+
+
+def report_step(code: str, caller: FrameType, message: Callable[[str], str]) -> None:
+    """Report ``code`` at the user's ``step()`` line; ``message`` gets the optimizer's name there (``opt``)."""
+    __tracebackhide__ = True  # noqa: F841
+    frame = user_frame(caller)
+    if frame is not None:
+        name = method_call(frame, "step", 0)[0] or "optimizer"
+        report(code, frame, lambda: message(name))

@@ -23,7 +23,7 @@ from typing import Any
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from .._callsite import call_source
+from .._callsite import quoted_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, report, user_frame
@@ -70,8 +70,7 @@ def _still_scaled(scaler: Any) -> bool:
     return not any(getattr(s.get("stage"), "name", "READY") != "READY" for s in states.values())
 
 
-def _message(function: str, scale: float, call: str | None) -> str:
-    shown = f"`{' '.join(call.split())}`" if call and len(call) <= 100 else f"{function}(...)"
+def _message(function: str, scale: float, shown: str) -> str:
     what = ("compares a gradient norm that many times too large with max_norm, and shrinks every gradient"
             if function == "clip_grad_norm_" else "clips gradient values that are that many times too large")
     return (f"{CODE} {shown} clips gradients still multiplied by the GradScaler's scale ({scale:g}): it {what}; "
@@ -88,7 +87,8 @@ def _clip(function: str) -> Any:
                 if scaler is not None:
                     frame = user_frame(sys._getframe(1))
                     if frame is not None:
-                        report(CODE, frame, lambda: _message(function, scaler.get_scale(), call_source(frame)))
+                        shown = quoted_call(frame, f"{function}(...)")
+                        report(CODE, frame, lambda: _message(function, scaler.get_scale(), shown))
             except Exception as exc:  # strict-mode findings pass through internal_error
                 internal_error(CODE, exc)
         return wrapped(*args, **kwargs)

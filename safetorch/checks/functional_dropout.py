@@ -18,7 +18,7 @@ from typing import Any
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._callsite import call_source
+from .._callsite import quoted_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report
@@ -39,8 +39,7 @@ RULE = Rule("ST013", "functional-dropout-in-eval", FunctionalDropoutInEvalWarnin
 _FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d")
 
 
-def _message(function: str, module: nn.Module, call: str | None, method: str) -> str:
-    shown = f"`{' '.join(call.split())}`" if call and len(call) <= 80 else f"F.{function}(...)"
+def _message(function: str, module: nn.Module, shown: str, method: str) -> str:
     return (f"{CODE} {shown} in {type(module).__name__}.{method}() keeps dropping after .eval(): F.{function}'s "
             f"training= defaults to True whatever the module's mode, so evaluation is noisy and wrong. Pass "
             f"training=self.training (or use nn.{'Dropout' if function == 'dropout' else function.capitalize()})")
@@ -57,7 +56,9 @@ def _wrapper(function: str) -> Any:
                     module = caller.f_locals.get("self")
                     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
                     if isinstance(module, nn.Module) and not module.training and p != 0:
-                        report(CODE, caller, lambda: _message(function, module, call_source(caller), code.co_name))
+                        shown = f"F.{function}(...)"
+                        report(CODE, caller, lambda: _message(function, module, quoted_call(caller, shown, 80),
+                                                              code.co_name))
             except Exception as exc:  # strict-mode findings pass through internal_error
                 internal_error(CODE, exc)
         return wrapped(*args, **kwargs)

@@ -33,10 +33,9 @@ from torch.optim import Optimizer
 from torch.utils.hooks import unserializable_hook
 
 from .. import _steps
-from .._callsite import method_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error, report, user_frame
+from .._report import internal_error
 from .._rule import Rule
 
 CODE = "ST011"
@@ -149,10 +148,7 @@ def _look(optimizer: Optimizer, step: int, caller: FrameType) -> None:
         if watch is not None:
             watch.stop()
             if watch.step == step - 1 and _stale(watch):
-                frame = user_frame(caller)
-                if frame is not None:
-                    name = method_call(frame, "step", 0)[0] or "optimizer"
-                    report(CODE, frame, lambda: _message(name))
+                _steps.report_step(CODE, caller, _message)
         if step < _steps.FIRST or step % _steps.EVERY == 0:  # only when the next step is looked at too: a watch
             _start(optimizer, step)                            # (and its hook) never outlives one step interval
     except Exception as exc:  # strict-mode findings pass through internal_error

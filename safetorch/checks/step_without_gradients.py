@@ -16,10 +16,9 @@ from types import FrameType
 from torch.optim import Optimizer
 
 from .. import _steps
-from .._callsite import method_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error, report, user_frame
+from .._report import internal_error
 from .._rule import Rule
 
 CODE = "ST010"
@@ -60,10 +59,7 @@ def _look(optimizer: Optimizer, step: int, caller: FrameType) -> None:
                 empty = False
         if empty:
             return
-        frame = user_frame(caller)
-        if frame is not None:
-            name = method_call(frame, "step", 0)[0] or "optimizer"
-            report(CODE, frame, lambda: _message(optimizer, name))
+        _steps.report_step(CODE, caller, lambda name: _message(optimizer, name))
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
