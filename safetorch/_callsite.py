@@ -65,6 +65,8 @@ _code_infos: dict[int, _CodeInfo] = {}
 # object, so two live code objects never share a key; on 3.10 a shared key is only a cache miss, since the entry's
 # code object is checked.
 _discarded: dict[int, tuple[CodeType, bool]] = {}
+#: The call sites whose result is used, as ``{id(code) + f_lasti: code}``: one lookup and one ``is`` on a hot path.
+_kept: dict[int, CodeType] = {}
 _accumulates: dict[tuple[int, int], tuple[CodeType, bool]] = {}
 
 #: Entries kept per cache before the older half is dropped: `_CodeInfo` holds a code object's whole instruction list.
@@ -83,6 +85,7 @@ def clear() -> None:
     """Forget every cached answer (and the code objects they keep alive)."""
     _code_infos.clear()
     _discarded.clear()
+    _kept.clear()
     _accumulates.clear()
     _calls.clear()
 
@@ -118,6 +121,9 @@ def _discarded_slow(code: CodeType, lasti: int) -> bool:
     answer = nxt is not None and (nxt.opname == "POP_TOP" or (_echoes(nxt) and _quieted(code, lasti)))
     trim(_discarded, MAX_ANSWERS)
     _discarded[id(code) + lasti] = (code, answer)
+    if not answer:
+        trim(_kept, MAX_ANSWERS)
+        _kept[id(code) + lasti] = code
     return answer
 
 

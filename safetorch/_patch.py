@@ -23,14 +23,15 @@ Design rules (from wrapt and dd-trace-py):
   and stays one object. The module-level ones (``F.dropout``) are wrapt wrappers.
 - The tensor methods that every training step may call (ST001's conversions: ``x.to(device)``, ``x.float()``) are
   `MethodPatch` objects (`Registry.method`): one object per method, so ``torch.Tensor.float is torch.Tensor.float``,
-  bound on each access by a Python ``__get__`` into a C ``MethodType``. Counted under callgrind, a no-op
-  ``x.float()`` costs about 2.5k instructions bare and 12.2k through a wrapt proxy whose wrapper does nothing (its
-  bound proxy, a Python subclass of wrapt's type, is built on every access); a `MethodPatch` with ST001's check
-  costs less than that empty wrapt proxy. A `MethodPatch` compares equal to, and hashes as, the
-  method it replaces: torch's own ``__torch_function__`` implementations compare ``func`` with the methods they
-  captured at import (``UninitializedParameter._allowed_methods``: ``func in [torch.Tensor.to, ...]``), and dispatch
-  tables keyed by the original find it. (A plain function would be stable and cheaper still, but equal to nothing:
-  torch's module_db corpus fails with one.)
+  a `property` whose getter binds the replacement function in C, as a function attribute would. Counted under
+  callgrind (``y = x.float()`` in a function called 1000 times), a call costs about 3.0k instructions bare, 7.4k
+  with ST001's check through a `MethodPatch` (9.7k when it bound through a Python ``__get__``), and 9.5k through a
+  wrapt proxy whose wrapper does nothing (its bound proxy, a Python subclass of wrapt's type, is built on every
+  access): a `MethodPatch` with ST001's check costs less than that empty wrapt proxy. A `MethodPatch` compares equal
+  to, and hashes as, the method it replaces: torch's own ``__torch_function__`` implementations compare ``func`` with
+  the methods they captured at import (``UninitializedParameter._allowed_methods``: ``func in [torch.Tensor.to,
+  ...]``), and dispatch tables keyed by the original find it. (A plain function would be stable and cheaper still,
+  but equal to nothing: torch's module_db corpus fails with one.)
 - The wrapper types answer pickle and copy by reference, as the original functions and method descriptors do: a
   bare wrapt proxy refuses ``__reduce_ex__``. What they pickle to names torch only, so a pickle made with safetorch
   installed loads where safetorch is not.
@@ -118,22 +119,41 @@ class Patch(wrapt.FunctionWrapper):
         return self
 
 
-class MethodPatch:
-    """The replacement of a tensor method (see the module docstring); a subclass defines ``__call__(*args,
-    **kwargs)``, where ``args[0]`` is the tensor, whether it was called as ``x.float()`` or ``torch.Tensor.float(x)``.
-    It inspects, prints, pickles and copies as the method it replaces."""
+class MethodPatch(property):
+    """The replacement of a tensor method (see the module docstring). A subclass defines `calling`, which returns the
+    plain function that stands in for the method: ``call(*args, **kwargs)``, where ``args[0]`` is the tensor, whether
+    it was called as ``x.float()`` or ``torch.Tensor.float(x)``; `create` builds the patch. It inspects, prints,
+    pickles and copies as the method it replaces.
+
+    Why a `property`: ``x.float`` then binds in C (the property calls its getter, ``call.__get__``, which makes the
+    same bound method a function attribute would), where a Python ``__get__`` costs a frame on every access; and the
+    call itself is a plain function's, not a ``__call__`` slot's. ``torch.Tensor.float(x)`` calls the patch object,
+    whose class (one per patch) has ``call`` as its ``__call__``: the same frames either way. What a property changes,
+    and nothing found relies on: assigning ``x.float = ...`` on one tensor raises `AttributeError` (a method could be
+    shadowed in the instance's ``__dict__``), and ``inspect.ismethoddescriptor(torch.Tensor.float)`` is False."""
 
     __safetorch_patch__ = True
 
-    def __init__(self, wrapped: Any, owner: object, name: str) -> None:
+    @staticmethod
+    def calling(wrapped: Any, name: str) -> Callable[..., Any]:
+        """The function that replaces ``wrapped`` (the method ``name``): defined by each kind of patch."""
+        raise NotImplementedError
+
+    @classmethod
+    def create(cls, wrapped: Any, owner: object, name: str) -> MethodPatch:
+        call = cls.calling(wrapped, name)
+        call.__name__ = name  # a bound method pickles as getattr(tensor, its function's __name__)
+        call.__qualname__ = f"{getattr(owner, '__qualname__', name)}.{name}"
+        namespace = {"__call__": staticmethod(call), "__slots__": (), "__module__": cls.__module__}
+        kind = type(cls.__name__, (cls,), namespace)
+        return kind(wrapped, owner, name, call)  # type: ignore[no-any-return]
+
+    def __init__(self, wrapped: Any, owner: object, name: str, call: Callable[..., Any]) -> None:
+        super().__init__(call.__get__, None, None, getattr(wrapped, "__doc__", None))
         self.__wrapped__ = wrapped
         self.__name__ = name
         self.__qualname__ = f"{getattr(owner, '__qualname__', name)}.{name}"
-        self.__doc__ = getattr(wrapped, "__doc__", None)
         self._st_owner = owner
-
-    def __get__(self, instance: Any, owner: Any = None) -> Any:
-        return self if instance is None else types.MethodType(self, instance)
 
     def __eq__(self, other: object) -> bool:
         return other is self or other == self.__wrapped__
@@ -293,13 +313,13 @@ class Registry:
             return self._put(owner, name, _name_after(function, owner, name), group, target)
 
     def method(self, owner: object, name: str, kind: type[MethodPatch], group: str) -> Any:
-        """Put ``kind(original, owner, name)`` at ``owner.name``; return what is in place. Like `replace`, it must
-        be the first patch of that attribute."""
+        """Put ``kind.create(original, owner, name)`` at ``owner.name``; return what is in place. Like `replace`, it
+        must be the first patch of that attribute."""
         with self._lock:
             present, target = self._start(owner, name, group, layered=False)
             if present is not _MISSING:
                 return present
-            return self._put(owner, name, kind(target, owner, name), group, target)
+            return self._put(owner, name, kind.create(target, owner, name), group, target)
 
     def set(self, owner: object, name: str, value: Any, group: str) -> Any:
         """Put ``value`` at ``owner.name`` (a plain replacement, for what is not a wrapped callable)."""

@@ -60,30 +60,36 @@ def _message(frame: FrameType, method: str, nargs: int) -> str:
 class _Conversion(MethodPatch):
     """``Tensor.<conversion>``: torch's method, then one cached look at whether the caller throws the result away."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # noqa: F841
-        result = self.__wrapped__(*args, **kwargs)
-        try:
-            frame = _getframe(1)
-            # The hot path is one cached lookup (`is_discarded`'s, inlined); the rest runs only for a discarded result.
-            # Dynamo handles tensor methods itself and never traces this call; the is_compiling() exit is there should
-            # it ever do so.
-            code = frame.f_code
-            entry = _answers.get(id(code) + frame.f_lasti)
-            discarded = entry[1] if entry is not None and entry[0] is code else is_discarded(frame)
-            if discarded and not _is_compiling() and isinstance(result, torch.Tensor) \
-                    and not is_internal(frame.f_code) and calls_method(frame, self.__name__) is not False:
-                # (a key function called from C, `ts.sort(key=torch.Tensor.float)`, is no discarded call: its source
-                # at this line calls something else)
-                method, nargs = self.__name__, len(args) - 1
-                report(CODE, frame, lambda: _message(frame, method, nargs))
-        except Exception as exc:  # strict-mode findings pass through internal_error
-            internal_error(CODE, exc)
-        return result
+    @staticmethod
+    def calling(wrapped: Any, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841
+            result = wrapped(*args, **kwargs)
+            try:
+                frame = _getframe(1)
+                # The hot path: one cached lookup of the call sites whose result is used (`is_discarded`'s cache).
+                code = frame.f_code
+                if _kept.get(id(code) + frame.f_lasti) is not code:
+                    _after_call(frame, name, len(args) - 1, result)
+            except Exception as exc:  # strict-mode findings pass through internal_error
+                internal_error(CODE, exc)
+            return result
+
+        return call
+
+
+def _after_call(frame: FrameType, method: str, nargs: int, result: Any) -> None:
+    """A call site not known to use its result. Dynamo handles tensor methods itself and never traces this call; the
+    is_compiling() exit is there should it ever do so. A key function called from C,
+    ``ts.sort(key=torch.Tensor.float)``, is no discarded call: its source at this line calls something else."""
+    if is_discarded(frame) and not _is_compiling() and isinstance(result, torch.Tensor) \
+            and not is_internal(frame.f_code) and calls_method(frame, method) is not False:
+        report(CODE, frame, lambda: _message(frame, method, nargs))
 
 
 _getframe = sys._getframe
-_answers = _callsite._discarded  # the cache `is_discarded` fills: (code, answer) by id(code) + f_lasti
+_kept = _callsite._kept  # filled by `is_discarded`: the code object, by id(code) + f_lasti, of each call site
+# whose result is used
 
 
 def install(registry: Registry) -> None:

@@ -658,10 +658,14 @@ def _autograd_in_forward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwa
 class _RegisterHook(MethodPatch):
     """``Tensor.register_hook`` (a `MethodPatch`: ``torch.Tensor.register_hook`` stays one object)."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        for site in _thread.watching:
-            site.needs_grad("autograd inside its forward")
-        return self.__wrapped__(*args, **kwargs)
+    @staticmethod
+    def calling(wrapped: Any, name: str) -> Any:
+        def register_hook(*args: Any, **kwargs: Any) -> Any:
+            for site in _thread.watching:
+                site.needs_grad("autograd inside its forward")
+            return wrapped(*args, **kwargs)
+
+        return register_hook
 
 
 #: The listener below runs on every backward only while it has something to do: during a watched forward (a backward

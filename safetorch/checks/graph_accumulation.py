@@ -102,22 +102,26 @@ def _was_backwarded(t: torch.Tensor) -> bool:
 class _RAdd(MethodPatch):
     """``Tensor.__radd__``, which Python calls only for ``number + tensor``: torch's, then a look at the call site."""
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True  # noqa: F841
-        result = self.__wrapped__(*args, **kwargs)
-        try:
-            if len(args) == 2:
-                instance, other = args
-                if instance.requires_grad and isinstance(other, _NUMBER) and not isinstance(other, bool):
-                    frame = _getframe(1)
-                    if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
-                        if _was_backwarded(instance):
-                            report(CODE, frame, lambda: _message(frame, instance))
-                        else:
-                            _watch(frame, instance, result)
-        except Exception as exc:  # strict-mode findings pass through internal_error
-            internal_error(CODE, exc)
-        return result
+    @staticmethod
+    def calling(wrapped: Any, name: str) -> Any:
+        def radd(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841
+            result = wrapped(*args, **kwargs)
+            try:
+                if len(args) == 2:
+                    instance, other = args
+                    if instance.requires_grad and isinstance(other, _NUMBER) and not isinstance(other, bool):
+                        frame = _getframe(1)
+                        if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
+                            if _was_backwarded(instance):
+                                report(CODE, frame, lambda: _message(frame, instance))
+                            else:
+                                _watch(frame, instance, result)
+            except Exception as exc:  # strict-mode findings pass through internal_error
+                internal_error(CODE, exc)
+            return result
+
+        return radd
 
 
 _getframe = sys._getframe
