@@ -65,7 +65,9 @@ _code_infos: dict[int, _CodeInfo] = {}
 # object, so two live code objects never share a key; on 3.10 a shared key is only a cache miss, since the entry's
 # code object is checked.
 _discarded: dict[int, tuple[CodeType, bool]] = {}
-#: The call sites whose result is used, as ``{id(code) + f_lasti: code}``: one lookup and one ``is`` on a hot path.
+#: A call site whose result is used, as ``{f_lasti: code}`` (filled by ST001, the one hot path that asks): one lookup
+#: and one ``is``, without building ``id(code) + f_lasti``. Two sites at the same offset of different code objects
+#: take turns: each miss asks `is_discarded`, whose answer is cached.
 _kept: dict[int, CodeType] = {}
 _accumulates: dict[tuple[int, int], tuple[CodeType, bool]] = {}
 
@@ -121,9 +123,6 @@ def _discarded_slow(code: CodeType, lasti: int) -> bool:
     answer = nxt is not None and (nxt.opname == "POP_TOP" or (_echoes(nxt) and _quieted(code, lasti)))
     trim(_discarded, MAX_ANSWERS)
     _discarded[id(code) + lasti] = (code, answer)
-    if not answer:
-        trim(_kept, MAX_ANSWERS)
-        _kept[id(code) + lasti] = code
     return answer
 
 

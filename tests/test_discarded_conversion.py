@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dis
 import io
 import multiprocessing
 import pickle
@@ -269,3 +270,29 @@ def test_torch_compile_sees_no_graph_break() -> None:
     compiled = torch.compile(fn, fullgraph=True, backend="eager")
     x = torch.randn(8)
     assert torch.equal(compiled(x), fn(x))
+
+
+def test_two_functions_with_a_conversion_at_the_same_offset() -> None:
+    # The hot path knows a call site by its offset and its code object: a site that uses its result must not make
+    # another function's discard at the same offset look used, nor the other way round.
+    def uses(x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        return y
+
+    def discards(x: torch.Tensor) -> torch.Tensor:
+        x.float(); line = lineno()  # noqa: E702
+        return x, line  # type: ignore[return-value]
+
+    def float_call(function: object) -> int:
+        ins = list(dis.get_instructions(function))  # type: ignore[arg-type]
+        at = next(i for i, op in enumerate(ins) if op.argval == "float")
+        return next(op.offset for op in ins[at:] if op.opname.startswith("CALL"))
+
+    assert float_call(uses) == float_call(discards)
+    x = torch.ones(2, dtype=torch.int64)
+    with findings() as got:
+        for _ in range(3):
+            assert uses(x).dtype == torch.float32
+            _, line = discards(x)
+            assert uses(x).dtype == torch.float32
+    assert [(w.category, w.lineno) for w in got] == [(DiscardedConversionWarning, line)]

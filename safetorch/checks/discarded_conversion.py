@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import _callsite
-from .._callsite import calls_method, is_discarded, method_call
+from .._callsite import MAX_ANSWERS, calls_method, is_discarded, method_call, trim
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
@@ -64,12 +64,12 @@ class _Conversion(MethodPatch):
     def calling(wrapped: Any, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            result = wrapped(*args, **kwargs)
+            result = wrapped(*args, **kwargs) if kwargs else wrapped(*args)
             try:
                 frame = _getframe(1)
-                # The hot path: one cached lookup of the call sites whose result is used (`is_discarded`'s cache).
+                # The hot path: one cached lookup of a call site whose result is used.
                 code = frame.f_code
-                if _kept.get(id(code) + frame.f_lasti) is not code:
+                if _kept.get(frame.f_lasti) is not code:
                     _after_call(frame, name, len(args) - 1, result)
             except Exception as exc:  # strict-mode findings pass through internal_error
                 internal_error(CODE, exc)
@@ -82,14 +82,16 @@ def _after_call(frame: FrameType, method: str, nargs: int, result: Any) -> None:
     """A call site not known to use its result. Dynamo handles tensor methods itself and never traces this call; the
     is_compiling() exit is there should it ever do so. A key function called from C,
     ``ts.sort(key=torch.Tensor.float)``, is no discarded call: its source at this line calls something else."""
-    if is_discarded(frame) and not _is_compiling() and isinstance(result, torch.Tensor) \
-            and not is_internal(frame.f_code) and calls_method(frame, method) is not False:
+    if not is_discarded(frame):
+        trim(_kept, MAX_ANSWERS)
+        _kept[frame.f_lasti] = frame.f_code
+    elif not _is_compiling() and isinstance(result, torch.Tensor) and not is_internal(frame.f_code) \
+            and calls_method(frame, method) is not False:
         report(CODE, frame, lambda: _message(frame, method, nargs))
 
 
 _getframe = sys._getframe
-_kept = _callsite._kept  # filled by `is_discarded`: the code object, by id(code) + f_lasti, of each call site
-# whose result is used
+_kept = _callsite._kept  # {f_lasti: code} of the call sites known to use their result (filled by `_after_call`)
 
 
 def install(registry: Registry) -> None:
