@@ -570,9 +570,12 @@ def test_jit_trace_of_an_eval_model_reports_nothing_even_in_strict_mode() -> Non
         assert torch.allclose(traced[-1](x), model(x))
 
 
-@torch.jit.script
-def _scale(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
+with warnings.catch_warnings():  # torch 2.10+ deprecates torch.jit.script; programs still use it
+    warnings.simplefilter("ignore", DeprecationWarning)
+
+    @torch.jit.script
+    def _scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
 
 
 def test_a_scripted_class_resolves_module_level_names() -> None:
@@ -906,3 +909,28 @@ def test_a_training_loop_pays_no_st003_listener_on_its_backwards() -> None:
         model(torch.ones(1, 2)).sum().backward()
         seen.append(listening())
     assert seen == [True, False, False]
+
+
+def test_a_childs_train_call_in_one_thread_leaves_another_threads_eval_top_level() -> None:
+    # A train() call made while another one runs *in the same thread* is a child's (no guard); one made meanwhile in
+    # another thread is that thread's own top-level call and gets its guard.
+    other = nn.Sequential(nn.Linear(2, 2))
+    done = threading.Event()
+
+    class Child(nn.Linear):
+        def train(self, mode: bool = True) -> Child:
+            if not mode and not done.is_set():
+                worker = threading.Thread(target=other.eval)
+                worker.start()
+                worker.join()
+                done.set()
+            return super().train(mode)
+
+    model = nn.Sequential(Child(2, 2), nn.ReLU())
+    model.eval()
+    assert done.is_set()
+    assert guarded(model) and not guarded(model[0]) and not guarded(model[1])
+    assert guarded(other) and not guarded(other[0])
+    model.train()
+    other.train()
+    assert not guarded(model) and not guarded(other)

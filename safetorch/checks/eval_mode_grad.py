@@ -50,7 +50,7 @@ import sysconfig
 import threading
 import weakref
 from collections.abc import Mapping
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
@@ -93,8 +93,10 @@ _INPUT_BUDGET = 1_000  # objects looked at per forward when searching the inputs
 _ST008_PATIENCE = 16  # optimizer steps a site waits for one that trains its module before ST008 gives up
 
 
-#: Where ``eval()`` was called: (file, line, qualified function, in a library?, the program's line that called it).
-Origin = tuple[str, int, str, bool, str]
+#: Where ``eval()`` was called, as recorded at the call (`_origin`) and worded only for a finding (`_describe`): the
+#: calling code and its offset, its module's ``__name__``, and the program's code and offset that called it (None
+#: when the call stands at a module's top level).
+Origin = tuple[CodeType, int, str, "tuple[CodeType, int] | None"]
 
 
 class _Thread(threading.local):
@@ -535,32 +537,40 @@ def _library(code: Any) -> bool:
 
 
 def _origin(frame: FrameType | None) -> Origin | None:
-    """Who called ``eval()``, recorded cheaply at the call (worded by `_describe`, only for a finding): the
-    program's own line, or a library function (``from_pretrained``) and the program's line that called it."""
+    """Who called ``eval()``, recorded cheaply at the call (every eval() asks; worded by `_describe`, only for a
+    finding): the program's own line, or a library function (``from_pretrained``) and the program's line that called
+    it. Code objects and offsets only: a line number costs a walk of the line table."""
     frame = user_frame(frame)
     while frame is not None and frame.f_code.co_name in ("train", "eval"):  # a subclass's own train()/eval()
         frame = user_frame(frame.f_back)
     if frame is None:
         return None
     code = frame.f_code
-    name = "" if code.co_name == "<module>" else \
-        f"{frame.f_globals.get('__name__', '?')}.{getattr(code, 'co_qualname', code.co_name)}()"
-    called = ""
-    if name:
-        outer = frame.f_back
-        while outer is not None and (is_internal(outer.f_code) or _library(outer.f_code)
-                                     or outer.f_code.co_filename == code.co_filename):
-            outer = outer.f_back
-        called = f"{outer.f_code.co_filename}:{outer.f_lineno}" if outer is not None else ""
-    return code.co_filename, frame.f_lineno, name, _library(code), called
+    if code.co_name == "<module>":
+        return code, frame.f_lasti, "", None
+    outer = frame.f_back
+    while outer is not None and (is_internal(outer.f_code) or _library(outer.f_code)
+                                 or outer.f_code.co_filename == code.co_filename):
+        outer = outer.f_back
+    return code, frame.f_lasti, frame.f_globals.get("__name__", "?"), \
+        (outer.f_code, outer.f_lasti) if outer is not None else None
+
+
+def _line_at(code: CodeType, lasti: int) -> int:
+    """The line of the instruction at ``lasti``, as ``frame.f_lineno`` gives it."""
+    return next((line for start, end, line in code.co_lines() if start <= lasti < end and line is not None),
+                code.co_firstlineno)
 
 
 def _describe(origin: Origin | None) -> str:
     if origin is None:
         return "an eval() call"
-    filename, lineno, name, library, called = origin
+    code, lasti, module, outer = origin
+    filename, lineno = code.co_filename, _line_at(code, lasti)
+    name = f"{module}.{getattr(code, 'co_qualname', code.co_name)}()" if module else ""
+    called = f"{outer[0].co_filename}:{_line_at(*outer)}" if outer is not None else ""
     where = f"{filename}:{lineno}"
-    if library:
+    if module and _library(code):
         text = f"{name} at {where}"
     else:
         line = getline(filename, lineno).strip() or "eval()"
@@ -570,7 +580,10 @@ def _describe(origin: Origin | None) -> str:
 
 # --- patches ---------------------------------------------------------------------------------------------------
 
-_train_depth = threading.local()
+#: The threads in which a ``train()`` call is running, by ident: a call made while one runs is a child's. A dict, not
+#: a ``threading.local``: a child's call pays one lookup, where a thread-local's attributes cost three times as much.
+_training_threads: dict[int, bool] = {}
+_get_ident = threading.get_ident
 
 
 def _train(original: Any) -> Any:
@@ -580,15 +593,14 @@ def _train(original: Any) -> Any:
     an earlier eval() of its own, frozen BatchNorm, removes itself at its first forward in training mode)."""
 
     def train(self: Any, mode: bool = True) -> Any:
-        local = _train_depth
-        depth = getattr(local, "n", 0)
-        local.n = depth + 1
+        ident = _get_ident()
+        if ident in _training_threads:
+            return original(self, mode)
+        _training_threads[ident] = True
         try:
             result = original(self, mode)
         finally:
-            local.n = depth
-        if depth:
-            return result
+            del _training_threads[ident]
         try:
             if self.training:
                 if "_call_impl" in self.__dict__:
