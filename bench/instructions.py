@@ -1,12 +1,20 @@
-"""``python -m bench.instructions [--loop LOOP] [--steps N] [--json PATH]``: a loop's cost counted in instructions.
+"""``python -m bench.instructions [--loop LOOP] [--steps N] [--seeds K] [--json PATH]``: a loop's cost in instructions.
 
 LOOP: tiny_mlp (the default), tiny_mlp_worst, small_cnn or frozen_bn.
 
 Timings on a shared machine move by several percent between runs, whatever the repeats; the number of instructions
 the CPU executes does not. This runs the end-to-end tiny-MLP epoch (`bench.endtoend.make_epoch`: training steps,
-then validation steps under ``no_grad``) under valgrind's callgrind twice, with safetorch installed and uninstalled,
-counting only inside the measured epochs (everything else — interpreter start, ``import torch``, warm-up — is left
-out by ``--toggle-collect``). Optional: it needs valgrind, and takes a few minutes.
+then validation steps under ``no_grad``) under valgrind's callgrind twice: with safetorch installed, and with
+``SAFETORCH_DISABLE=1`` (imported, nothing patched: what a program that never imports it runs), counting only inside
+the measured epochs (everything else — interpreter start, ``import torch``, warm-up — is left out by
+``--toggle-collect``, and a ``gc.collect()`` before them starts both runs with the same empty young generation).
+Optional: it needs valgrind, and takes a few minutes per seed.
+
+Counts are not noise-free either: string hashes (``PYTHONHASHSEED``) move dict probing and memory layout, which
+moved the tiny MLP's count by about ±2.5k instructions per step pair between seeds. Each seed's pair of runs uses one
+hash seed, and the figure is the sum over ``--seeds`` seeds (0, 1, …). Installing and then uninstalling safetorch
+in the same process is no baseline: torch's bytecode, specialised while the patches stood, stays slower by about
+2.5k instructions per step pair (measured), which would flatter safetorch.
 
 Instructions are not time: the same count can take longer when it misses the caches more, which Python code does
 more than torch's kernels. The timed bench (`python -m bench`) stays the measure; this is its noise-free companion.
@@ -26,7 +34,7 @@ import textwrap
 from typing import Any
 
 _PROGRAM = textwrap.dedent("""\
-    import functools, os, torch, safetorch
+    import functools, gc, os, torch, safetorch
     from bench import models
     from bench.endtoend import make_epoch
     torch.manual_seed(0)
@@ -39,9 +47,8 @@ _PROGRAM = textwrap.dedent("""\
     epoch = make_epoch(model, x, torch.randint(0, 10, (x.shape[0],)), int(os.environ["BENCH_STEPS"]),
                        frozen_bn=os.environ["BENCH_LOOP"] == "frozen_bn",
                        worst_case=os.environ["BENCH_LOOP"] == "tiny_mlp_worst")
-    if os.environ["BENCH_SAFETORCH"] == "0":
-        safetorch.uninstall()
     epoch(); epoch()                                         # warm-up: not counted
+    gc.collect()
     functools.reduce(lambda acc, _: epoch(), range(2), None)  # counted: what runs inside functools.reduce
 """)
 
@@ -52,12 +59,16 @@ LOOPS = {"tiny_mlp": "cpu tiny MLP (batch 1)",
          "frozen_bn": "cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"}
 
 
-def _launch(on: bool, steps: int, loop: str) -> subprocess.Popen[str]:
+def _launch(on: bool, steps: int, loop: str, seed: int) -> subprocess.Popen[str]:
     # One intra-op thread: callgrind counts every thread, and OpenMP workers spin while they wait, a count that
     # depends on timing (the conv net's counts moved by a third between two runs with the default threads).
-    env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_SAFETORCH": "1" if on else "0", "BENCH_LOOP": loop,
+    env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_LOOP": loop, "PYTHONHASHSEED": str(seed),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
+    env.pop("SAFETORCH_IGNORE", None)
+    env.pop("SAFETORCH_DISABLE", None)
+    if not on:
+        env["SAFETORCH_DISABLE"] = "1"
     cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce", "--callgrind-out-file=/dev/null",
            sys.executable, "-c", _PROGRAM]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -71,17 +82,22 @@ def _collected(proc: subprocess.Popen[str]) -> int:
     return int(match.group(1).replace(",", ""))
 
 
-def run(steps: int, loop: str = "tiny_mlp") -> dict[str, Any]:
-    """Both runs side by side (one per core); counts per training + validation step pair."""
-    procs = {"without": _launch(False, steps, loop), "with": _launch(True, steps, loop)}
-    counts = {k: _collected(p) for k, p in procs.items()}
-    pairs = 2 * steps  # two counted epochs of `steps` training and `steps` validation steps
+def run(steps: int, loop: str = "tiny_mlp", seeds: int = 3) -> dict[str, Any]:
+    """For each hash seed, both runs side by side (one per core); counts per training + validation step pair."""
+    per_seed = []
+    for seed in range(seeds):
+        procs = {"without": _launch(False, steps, loop, seed), "with": _launch(True, steps, loop, seed)}
+        per_seed.append({k: _collected(p) for k, p in procs.items()})
+    counts = {k: sum(c[k] for c in per_seed) for k in ("without", "with")}
+    pairs = 2 * steps * seeds  # per seed, two counted epochs of `steps` training and `steps` validation steps
     return {
         "loop": LOOPS[loop],
         "steps_per_epoch": steps,
+        "hash_seeds": seeds,
         "instructions": counts,
         "per_step_pair": {k: round(v / pairs) for k, v in counts.items()},
         "overhead_pct": round((counts["with"] / counts["without"] - 1) * 100, 2),
+        "overhead_pct_per_seed": [round((c["with"] / c["without"] - 1) * 100, 2) for c in per_seed],
     }
 
 
@@ -91,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="training (and validation) steps per epoch "
                              "(default: 100 for the MLPs, 10 for small_cnn, 5 for frozen_bn)")
     parser.add_argument("--loop", choices=sorted(LOOPS), default="tiny_mlp", help="which loop to count")
+    parser.add_argument("--seeds", type=int, default=3, help="hash seeds to sum over, one pair of runs each")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
@@ -100,9 +117,10 @@ def main(argv: list[str] | None = None) -> int:
 
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     result = {"machine": bench_main.machine(), "valgrind": version, "date": datetime.date.today().isoformat(),
-              **run(args.steps or {"frozen_bn": 5, "small_cnn": 10}.get(args.loop, 100), args.loop)}
+              **run(args.steps or {"frozen_bn": 5, "small_cnn": 10}.get(args.loop, 100), args.loop, args.seeds)}
     print(f"{result['loop']}: {result['per_step_pair']['without']} instructions per training + validation step "
-          f"without safetorch, {result['per_step_pair']['with']} with it: {result['overhead_pct']:+.2f}%")
+          f"without safetorch, {result['per_step_pair']['with']} with it: {result['overhead_pct']:+.2f}% "
+          f"(per hash seed: {', '.join(f'{p:+.2f}%' for p in result['overhead_pct_per_seed'])})")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -11,8 +11,9 @@ case never does).
 
 from __future__ import annotations
 
+import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -35,6 +36,14 @@ _before: dict[str, Before] = {}
 _on_error: dict[str, OnError] = {}
 _before_now: tuple[Before, ...] = ()  # the listeners as a tuple: what every backward iterates
 _tensor_backward_code = torch.Tensor.backward.__code__
+_next = next
+
+#: When to call `_on_due` (one client, `safetorch._steps`, which samples optimizer steps by backwards counted): an
+#: iterator over the backwards left to wait, which every backward advances (a ``next()`` in C; a global counter's
+#: increment and store cost a quarter more).
+_NEVER: Iterator[int] = itertools.repeat(0)
+_countdown: Iterator[int] = _NEVER
+_on_due: Callable[[], None] | None = None
 _is_compiling = is_compiling
 #: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``: two Python calls on
 #: every backward, where reading the flag is one attribute lookup (torch 2.3+; older releases call the function).
@@ -55,6 +64,8 @@ def _dispatch(original: Any) -> Any:
 
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
+        if _next(_countdown, None) is None:
+            _call_due()
         if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):
             tensors = args[0] if args else kwargs.get("tensors")
             for before in _before_now:
@@ -85,6 +96,31 @@ def caller() -> FrameType | None:
     return frame.f_back if frame is not None else None
 
 
+def _call_due() -> None:
+    global _countdown, _on_due
+    callback, _countdown, _on_due = _on_due, _NEVER, None
+    if callback is not None:
+        callback()  # guards its own logic
+
+
+def call_after(backwards: int, callback: Callable[[], None]) -> None:
+    """Call ``callback`` at the start of the ``backwards``-th backward from now (replacing any earlier request)."""
+    global _countdown, _on_due
+    _countdown, _on_due = iter(range(max(backwards, 1) - 1)), callback
+    registry.replace(torch.autograd, "backward", _dispatch, GROUP)
+
+
+def cancel_call() -> None:
+    global _countdown, _on_due
+    _countdown, _on_due = _NEVER, None
+    _update()
+
+
+def _update() -> None:
+    if not _before and not _on_error and _on_due is None:
+        registry.restore(GROUP)
+
+
 def listen(code: str, before: Before | None = None, on_error: OnError | None = None) -> None:
     global _before_now
     if before is not None:
@@ -100,5 +136,4 @@ def unlisten(code: str) -> None:
     _before.pop(code, None)
     _on_error.pop(code, None)
     _before_now = tuple(_before.values())
-    if not _before and not _on_error:
-        registry.restore(GROUP)
+    _update()

@@ -44,6 +44,16 @@ def test_finite_losses_and_gradients_are_untouched() -> None:
     assert torch.equal(w.grad, torch.full((3,), 2.0) + 2 * w.detach())
 
 
+def test_a_finite_vector_backward_is_silent() -> None:
+    # item() raises for a tensor of more than one element: the full finiteness test takes over, silently.
+    w = torch.ones(3, requires_grad=True)
+    with findings() as got:
+        (w * 2).backward(torch.ones(3))
+        (w[:0] * 2).backward(torch.ones(0))
+    assert got == []
+    assert torch.equal(w.grad, torch.full((3,), 2.0))
+
+
 def test_strict_mode_raises_before_backward_runs() -> None:
     safetorch.install(strict=True)
     w = torch.randn(3, requires_grad=True)

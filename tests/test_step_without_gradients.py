@@ -119,17 +119,110 @@ def test_per_line_suppression_and_ignore() -> None:
     assert got == []
 
 
-def test_steps_after_the_first_are_sampled() -> None:
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, zero_after_backward: bool = False) -> None:
+    x, y = _data()
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    if zero_after_backward:
+        opt.zero_grad()
+    opt.step()
+
+
+def test_the_hook_stands_only_while_a_window_is_open() -> None:
+    """An optimizer's first FIRST steps are looked at; the hook is gone at the next backward; EVERY backwards later
+    it comes back for SAMPLE steps of each optimizer, and is gone again."""
     from safetorch import _steps
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
+    assert _steps.armed()
     for _ in range(_steps.FIRST):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    opt.zero_grad()
+        _train_step(model, opt)
+    assert _steps.looked_at(opt) == _steps.FIRST
+    _train_step(model, opt)  # its backward takes the hook away; the step is not looked at
+    assert not _steps.armed() and _steps.looked_at(opt) == _steps.FIRST
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    assert not any(getattr(h, "__module__", "") == "safetorch._steps" for h in _global_optimizer_pre_hooks.values())
+    for _ in range(_steps.EVERY - 1):
+        _train_step(model, opt)
+    assert not _steps.armed() and _steps.looked_at(opt) == _steps.FIRST
+    _train_step(model, opt)  # the EVERY-th backward after the one that took it away: back for SAMPLE steps
+    assert _steps.armed() and _steps.looked_at(opt) == _steps.FIRST + 1
+    _train_step(model, opt)
+    assert _steps.looked_at(opt) == _steps.FIRST + _steps.SAMPLE
+    _train_step(model, opt)
+    assert not _steps.armed() and _steps.looked_at(opt) == _steps.FIRST + _steps.SAMPLE
+
+
+def test_a_bug_that_starts_late_is_found_at_a_sampled_step() -> None:
+    from safetorch import _steps
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with findings() as got:
-        opt.step()  # step FIRST + 1: not looked at
-    assert got == [] and _steps.looked_at(opt) == _steps.FIRST + 1
+        for _ in range(_steps.FIRST + 1):
+            _train_step(model, opt)
+        assert got == [] and not _steps.armed()
+        for _ in range(_steps.EVERY + _steps.SAMPLE):
+            _train_step(model, opt, zero_after_backward=True)
+    assert [(w.category, w.filename) for w in got] == [(StepWithoutGradientsWarning, __file__)]
+    assert "zero_grad() runs between" in str(got[0].message)
+
+
+def test_an_optimizer_built_later_gets_its_first_steps_looked_at() -> None:
+    from safetorch import _steps
+
+    model = torch.nn.Linear(4, 3)
+    first = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(_steps.FIRST + 1):
+        _train_step(model, first)
+    assert not _steps.armed()
+    head = torch.nn.Linear(4, 3)
+    for p in head.parameters():
+        p.requires_grad_(False)
+    late = torch.optim.Adam(head.parameters())  # a second phase's optimizer, over frozen parameters
+    assert _steps.armed()
+    with findings() as got:
+        _train_step(model, first)  # its window is closed: not looked at
+        late.step(); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(StepWithoutGradientsWarning, line)]
+    assert _steps.looked_at(first) == _steps.FIRST and _steps.looked_at(late) == 1
+
+
+def test_an_idle_optimizer_does_not_keep_the_hook() -> None:
+    """At a sample, an optimizer that no longer steps (a finished phase's, still referenced) closes its window when
+    the sample's time is up."""
+    from safetorch import _steps
+
+    model = torch.nn.Linear(4, 3)
+    idle, active = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(_steps.FIRST):
+        _train_step(model, idle)
+        _train_step(model, active)
+    _train_step(model, active)
+    assert not _steps.armed()
+    for _ in range(_steps.EVERY):
+        _train_step(model, active)
+    assert _steps.armed()  # the sample: idle's window of SAMPLE steps is open and stays so
+    for _ in range(_steps.EVERY + 1):
+        _train_step(model, active)
+    assert not _steps.armed()
+
+
+def test_a_closure_step_closes_the_window() -> None:
+    from safetorch import _steps
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=2)
+    x, y = _data()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    opt.step(closure)
+    assert not _steps.armed() and _steps.looked_at(opt) == 0

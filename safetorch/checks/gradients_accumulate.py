@@ -1,13 +1,13 @@
 """ST011: gradients accumulate across optimizer steps: ``zero_grad()`` is forgotten, so every ``step()`` uses the sum
 of the gradients of all the steps before it.
 
-How it is seen, precisely and cheaply: at a looked-at step (`safetorch._steps`: an optimizer's first steps, then a
-pair of consecutive steps in every 1024) the first parameter with a gradient is *watched* until the optimizer's next
+How it is seen, precisely and cheaply: at a looked-at step (`safetorch._steps`: an optimizer's first steps, then a pair
+of consecutive steps every 1024 backwards) the first parameter with a gradient is *watched* until the optimizer's next
 step. Eight elements of its gradient are copied, and a tensor hook on the parameter — called by each backward that
-reaches it, *before* the gradient is accumulated — checks that the ``.grad`` tensor is still the same object and
-still holds exactly the values expected had nothing reset it (the copy, plus what each earlier backward of the
-interval added). If that chain holds up to the next ``step()``, the gradient that step uses contains the previous
-step's: ST011 at the step line.
+reaches it, *before* the gradient is accumulated — checks that the ``.grad`` tensor is still the same object and still
+holds exactly the values expected had nothing reset it (the copy, plus what each earlier backward of the interval
+added). If that chain holds up to the next ``step()``, the gradient that step uses contains the previous step's: ST011
+at the step line.
 
 Any reset breaks the chain and keeps the rule silent: ``zero_grad()`` (``set_to_none`` or not), ``p.grad = None``,
 ``p.grad.zero_()``, ``p.grad.data.zero_()`` (invisible to version counters, not to values), and any other in-place
@@ -141,7 +141,7 @@ def _message(name: str) -> str:
             f"{name}.step() (to accumulate over several batches on purpose, zero after each step)")
 
 
-def _look(optimizer: Optimizer, step: int, caller: FrameType) -> None:
+def _look(optimizer: Optimizer, step: int, caller: FrameType, more: bool) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
         watch = _watches.pop(optimizer, None)
@@ -149,8 +149,8 @@ def _look(optimizer: Optimizer, step: int, caller: FrameType) -> None:
             watch.stop()
             if watch.step == step - 1 and _stale(watch):
                 _steps.report_step(CODE, caller, _message)
-        if step < _steps.FIRST or step % _steps.EVERY == 0:  # only when the next step is looked at too: a watch
-            _start(optimizer, step)                            # (and its hook) never outlives one step interval
+        if more:  # only when the next step is looked at too: a watch (and its hook) never outlives one step interval
+            _start(optimizer, step)
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 

@@ -147,13 +147,16 @@ def _before_backward(tensors: Any) -> None:
             poll()
         if isinstance(tensors, torch.Tensor) and tensors.is_cpu:
             # The usual case, one finite loss on the CPU: no call, no loop, no frame walk. `v - v == 0` holds for
-            # every finite int, float or complex, and for no NaN or infinity.
-            if tensors.numel() == 1:
+            # every finite int, float or complex, and for no NaN or infinity. item() raises for any other number of
+            # elements than one, which a backward from a loss rarely has (asking numel() first costs every backward).
+            try:
                 value = tensors.item()
+            except Exception:
+                if _finite(tensors):
+                    return
+            else:
                 if value - value == 0:
                     return
-            elif _finite(tensors):
-                return
         _check(tensors)
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)

@@ -48,7 +48,7 @@ def _message(optimizer: Optimizer, name: str) -> str:
             f"{name}.step(): zero the gradients before backward(), or after step()")
 
 
-def _look(optimizer: Optimizer, step: int, caller: FrameType) -> None:
+def _look(optimizer: Optimizer, step: int, caller: FrameType, more: bool) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
         empty = True
