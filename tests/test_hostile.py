@@ -285,3 +285,46 @@ def test_torchs_own_dispatch_tables_keyed_by_the_original_methods_still_match() 
         assert type(mt.contiguous()).__name__ == "MaskedTensor"
         assert type(mt.to(torch.float64)).__name__ == "MaskedTensor"
         assert torch.equal(mt.detach().get_mask(), mt.get_mask())
+
+
+def test_every_way_of_calling_autograd_backward_reaches_torch_with_its_arguments() -> None:
+    """The backward patch has torch's own parameters: positional, keyword, deprecated and ``inputs=`` calls give the
+    same gradients as torch's function, and its errors are torch's."""
+    from safetorch import _backward
+
+    assert torch.autograd.backward.__code__ is _backward._dispatch_known(None).__code__
+    w, v = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+
+    def grads(call: Any) -> list[Any]:
+        w.grad = v.grad = None
+        call((w * v * 2).sum())
+        return [None if t.grad is None else t.grad.tolist() for t in (w, v)]
+
+    both, only_w = [[2.0] * 3, [2.0] * 3], [[2.0] * 3, None]
+    assert grads(lambda y: torch.autograd.backward(y)) == both
+    assert grads(lambda y: torch.autograd.backward(tensors=y, grad_tensors=torch.tensor(3.0))) == [[6.0] * 3] * 2
+    assert grads(lambda y: torch.autograd.backward([y], None, True, False, None, [w])) == only_w
+    assert grads(lambda y: y.backward(inputs=[w])) == only_w
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates grad_variables
+        assert grads(lambda y: torch.autograd.backward(y, grad_variables=torch.tensor(0.5))) == [[1.0] * 3] * 2
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gradient'"):
+        torch.autograd.backward((w * 2).sum(), gradient=None)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        torch.autograd.backward(torch.ones(2).sum())
+
+
+def test_a_backward_with_other_parameters_than_torchs_known_ones_is_patched_with_args_and_kwargs() -> None:
+    """Should torch change ``autograd.backward``'s parameters, the patch passes whatever it is given."""
+    from safetorch import _backward
+
+    seen: list[Any] = []
+
+    def backward(tensors: Any, *, grad: Any = None, inputs: Any = None) -> str:
+        seen.append((tensors, grad, inputs))
+        return "torch's"
+
+    patched = _backward._dispatch(backward)
+    assert patched.__code__ is _backward._dispatch_any(None).__code__
+    assert patched("t", grad="g") == "torch's" and patched(tensors="u") == "torch's"
+    assert seen == [("t", "g", None), ("u", None, None)]
