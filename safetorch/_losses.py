@@ -7,12 +7,16 @@ choke point sees every loss with its arguments one frame up, and no wrapper fram
 functional loss (torch's own warnings keep pointing at the user's line, tracebacks show no safetorch frame). It is
 a plain function put in place by `Registry.replace`, as every loss calls it. A loss that a check reads is found by
 its code object. Only losses computed with autograd on are looked at (there is no graph to read otherwise): the
-first `FIRST` of them, then one in `EVERY` — a check sees the mistakes that are in the code, which every call of
-its line repeats, and materialising the loss's frame is what costs. The other calls pay a counter.
+first `FIRST` of them, then one in `EVERY` on average — a check sees the mistakes that are in the code, which every
+call of its line repeats, and materialising the loss's frame is what costs (14k instructions). The other calls pay
+a counter. The intervals between looks vary (1 to ``2 * EVERY - 1`` calls, drawn from a seeded generator of our
+own): with a fixed period, a loss that is always the second of two per step would never be looked at again after
+the first ones.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -37,17 +41,19 @@ _owners: dict[str, list[CodeType]] = {}
 _is_compiling = is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 
-#: The first FIRST losses computed with autograd on are looked at, then one in EVERY.
+#: The first FIRST losses computed with autograd on are looked at, then one in EVERY on average.
 FIRST = 32
-EVERY = 16
+EVERY = 64
 _calls = 0
+_due = 1  # the number of the next call to look at
+_gaps = random.Random(0)
 
 
 def _dispatch(original: Any) -> Any:
     """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it."""
 
     def get_enum(reduction: str) -> int:
-        global _calls
+        global _calls, _due
         __tracebackhide__ = True  # noqa: F841
         if reduction == "elementwise_mean" and _legacy:
             for legacy in list(_legacy.values()):
@@ -55,7 +61,8 @@ def _dispatch(original: Any) -> Any:
             reduction = "mean"
         if _looks and _is_grad_enabled():
             _calls += 1
-            if (_calls <= FIRST or not _calls % EVERY) and not _is_compiling():
+            if _calls >= _due and not _is_compiling():
+                _due = _calls + (1 if _calls < FIRST else _gaps.randrange(1, 2 * EVERY))
                 caller = sys._getframe(1)
                 look = _looks.get(caller.f_code)
                 if look is not None:
@@ -67,8 +74,9 @@ def _dispatch(original: Any) -> Any:
 
 def reset() -> None:
     """Start counting losses again, as a new process does (for the tests)."""
-    global _calls
-    _calls = 0
+    global _calls, _due
+    _calls, _due = 0, 1
+    _gaps.seed(0)
 
 
 def _update() -> None:

@@ -111,14 +111,30 @@ def test_per_line_suppression() -> None:
 
 
 def test_after_the_first_calls_a_new_mistake_is_seen_within_the_sample() -> None:
-    """The first losses are looked at, then one call in EVERY: a line that first runs late (a second phase of
-    training) is still reported, within EVERY calls."""
+    """The first losses are looked at, then one call in EVERY on average, never more than 2 * EVERY - 1 apart: a
+    line that first runs late (a second phase of training) is still reported, within that many calls."""
     from safetorch import _losses as rule
 
     logits, y = _logits()
     with findings() as got:
         for _ in range(rule.FIRST + 5):
             F.nll_loss(F.log_softmax(logits, 1), y)
-        for _ in range(rule.EVERY):
+        for _ in range(2 * rule.EVERY - 1):
             F.nll_loss(F.softmax(logits, 1), y); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(ProbabilitiesIntoLogitsLossWarning, line)]
+
+
+def test_a_late_mistake_in_one_of_two_losses_per_step_is_seen() -> None:
+    """Two losses per step, the first wrong only from a late phase on: a fixed even sampling period (every 16th
+    call) lands on the second loss only, for ever; varying intervals land on the first within a few samples."""
+    from safetorch import _losses as rule
+
+    logits, y = _logits()
+    with findings() as got:
+        for _ in range(rule.FIRST):
+            F.cross_entropy(logits, y)
+            F.cross_entropy(logits, y)
+        for _ in range(8 * rule.EVERY):
+            F.cross_entropy(logits.softmax(1), y); line = lineno()  # noqa: E702
+            F.cross_entropy(logits, y)
     assert [(w.category, w.lineno) for w in got] == [(ProbabilitiesIntoLogitsLossWarning, line)]

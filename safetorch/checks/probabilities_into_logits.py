@@ -10,8 +10,8 @@ permute, transpose, clone, a dtype or device copy, squeeze, slicing), is ``Softm
 ``SigmoidBackward0``. Nothing is wrapped: the three functional losses (which ``nn.CrossEntropyLoss`` & co. call)
 each call ``torch.nn._reduction.get_enum``, whose replacement (`safetorch._losses`, shared with ST002) reads the
 ``input`` of those three by their code objects — no frame between the user and the loss. The first 32 losses
-computed with autograd on are looked at, then one in 16 (`safetorch._losses`: a line that first runs late is seen
-within 16 loss calls). Silent: raw logits,
+computed with autograd on are looked at, then one in 64 on average, at varying intervals (`safetorch._losses`: a
+line that first runs late is seen within 127 loss calls). Silent: raw logits,
 ``log_softmax(dim=1)``, ``torch.log(probs)`` into ``nll_loss``, softmaxed *targets* (distillation, label smoothing:
 only the input is looked at), and any loss computed under ``no_grad`` (validation: the training loop, which has the
 same line or the same mistake, is where it is reported).
