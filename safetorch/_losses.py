@@ -6,19 +6,21 @@ Design rules: every functional loss of torch calls ``get_enum(reduction)`` from 
 choke point sees every loss with its arguments one frame up, and no wrapper frame stands between the user and a
 functional loss (torch's own warnings keep pointing at the user's line, tracebacks show no safetorch frame). It is
 a plain function put in place by `Registry.replace`, as every loss calls it. A loss that a check reads is found by
-its code object. Only losses computed with autograd on are looked at (there is no graph to read otherwise): the
-first `FIRST` of them, then one in `EVERY` on average — a check sees the mistakes that are in the code, which every
-call of its line repeats, and materialising the loss's frame is what costs (14k instructions). The other calls pay
-a counter. The intervals between looks vary (1 to ``2 * EVERY - 1`` calls, drawn from a seeded generator of our
-own): with a fixed period, a loss that is always the second of two per step would never be looked at again after
-the first ones.
+its code object. The first `FIRST` loss calls are looked at, then one in `EVERY` on average, and of those only
+the ones computed with autograd on (there is no graph to read otherwise) — a check sees the mistakes that are in
+the code, which every call of its line repeats, and materialising the loss's frame is what costs (14k instructions).
+The other calls pay one ``next()`` of a schedule of booleans, a call in C that returns a constant (counting in a
+global and testing grad mode first cost every loss 0.8k instructions more). The intervals between looks vary (1 to
+``2 * EVERY - 1`` calls, drawn once from a seeded generator of our own, repeated every ~``EVERY ** 2`` calls): with
+a fixed period, a loss that is always the first of two per step would never be looked at again after the first ones.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 from typing import Any
 
@@ -41,32 +43,39 @@ _owners: dict[str, list[CodeType]] = {}
 _is_compiling = is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 
-#: The first FIRST losses computed with autograd on are looked at, then one in EVERY on average.
+#: The first FIRST loss calls are looked at, then one in EVERY on average.
 FIRST = 32
 EVERY = 64
-_calls = 0
-_due = 1  # the number of the next call to look at
-_gaps = random.Random(0)
+_next = next
+
+
+def _schedule() -> Iterator[bool]:
+    """True for each loss call to look at: FIRST times, then a cycle of random intervals of mean EVERY."""
+    draw, pattern = random.Random(0), []
+    while len(pattern) < EVERY * EVERY:
+        pattern += [False] * (draw.randrange(1, 2 * EVERY) - 1) + [True]
+    # Not itertools.cycle: its first pass copies every item it returns, 1k instructions a call.
+    again = itertools.chain.from_iterable(itertools.repeat(tuple(pattern)))
+    return itertools.chain(itertools.repeat(True, FIRST), again)
+
+
+_looking = _schedule()
 
 
 def _dispatch(original: Any) -> Any:
     """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it."""
 
     def get_enum(reduction: str) -> int:
-        global _calls, _due
         __tracebackhide__ = True  # noqa: F841
         if reduction == "elementwise_mean" and _legacy:
             for legacy in list(_legacy.values()):
                 legacy()
             reduction = "mean"
-        if _looks and _is_grad_enabled():
-            _calls += 1
-            if _calls >= _due and not _is_compiling():
-                _due = _calls + (1 if _calls < FIRST else _gaps.randrange(1, 2 * EVERY))
-                caller = sys._getframe(1)
-                look = _looks.get(caller.f_code)
-                if look is not None:
-                    look(caller)
+        if _looks and _next(_looking) and _is_grad_enabled() and not _is_compiling():
+            caller = sys._getframe(1)
+            look = _looks.get(caller.f_code)
+            if look is not None:
+                look(caller)
         return original(reduction)  # type: ignore[no-any-return]
 
     return get_enum
@@ -74,9 +83,8 @@ def _dispatch(original: Any) -> Any:
 
 def reset() -> None:
     """Start counting losses again, as a new process does (for the tests)."""
-    global _calls, _due
-    _calls, _due = 0, 1
-    _gaps.seed(0)
+    global _looking
+    _looking = _schedule()
 
 
 def _update() -> None:

@@ -9,9 +9,9 @@ Seen from the input's autograd graph: ``input.grad_fn``, followed up to a few sh
 permute, transpose, clone, a dtype or device copy, squeeze, slicing), is ``SoftmaxBackward0`` /
 ``SigmoidBackward0``. Nothing is wrapped: the three functional losses (which ``nn.CrossEntropyLoss`` & co. call)
 each call ``torch.nn._reduction.get_enum``, whose replacement (`safetorch._losses`, shared with ST002) reads the
-``input`` of those three by their code objects — no frame between the user and the loss. The first 32 losses
-computed with autograd on are looked at, then one in 64 on average, at varying intervals (`safetorch._losses`: a
-line that first runs late is seen within 127 loss calls). Silent: raw logits,
+``input`` of those three by their code objects — no frame between the user and the loss. The first 32 loss
+calls are looked at, then one in 64 on average, at varying intervals (`safetorch._losses`: looks are at most 127
+loss calls apart, and a loss computed with autograd off is not read). Silent: raw logits,
 ``log_softmax(dim=1)``, ``torch.log(probs)`` into ``nll_loss``, softmaxed *targets* (distillation, label smoothing:
 only the input is looked at), and any loss computed under ``no_grad`` (validation: the training loop, which has the
 same line or the same mistake, is where it is reported).
