@@ -65,17 +65,23 @@ _looking = _schedule()
 def _dispatch(original: Any) -> Any:
     """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it."""
 
+    # torch's own answers for the three valid names, asked once: a dict lookup costs less than calling torch's
+    # function; anything else ('elementwise_mean', a typo) still goes to torch, for its warning or its error.
+    known = {name: original(name) for name in ("none", "mean", "sum")}
+
     def get_enum(reduction: str) -> int:
         __tracebackhide__ = True  # noqa: F841
         if reduction == "elementwise_mean" and _legacy:
             for legacy in list(_legacy.values()):
                 legacy()
             reduction = "mean"
-        if _looks and _next(_looking) and _is_grad_enabled() and not _is_compiling():
+        if _next(_looking) and _looks and _is_grad_enabled() and not _is_compiling():
             caller = sys._getframe(1)
             look = _looks.get(caller.f_code)
             if look is not None:
                 look(caller)
+        if reduction in known:
+            return known[reduction]
         return original(reduction)  # type: ignore[no-any-return]
 
     return get_enum
