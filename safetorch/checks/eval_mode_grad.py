@@ -588,11 +588,20 @@ _get_ident = threading.get_ident
 
 def _train(original: Any) -> Any:
     """``Module.train``, as a plain function (see `Registry.replace`): torch's ``train()`` calls it again for every
-    child. The guard goes on the module whose eval() the program called, not on the children it recurses into: a
-    call made while another ``train()`` runs in this thread is a child's, and returns at once (a child's guard from
-    an earlier eval() of its own, frozen BatchNorm, removes itself at its first forward in training mode)."""
+    child. The guard goes on the module whose eval() the program called, not on the children it recurses into: an
+    ``eval()`` made while another runs in this thread is a child's, and returns at once. ``train()`` needs no such
+    bookkeeping (its cost per call is torch's and one dict lookup): each module, children included, takes off a
+    guard of its own (a frozen BatchNorm's, from an eval() of its own)."""
 
     def train(self: Any, mode: bool = True) -> Any:
+        if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
+            result = original(self, mode)
+            try:
+                if "_call_impl" in self.__dict__ and self.training:
+                    _unguard(self)
+            except Exception as exc:
+                internal_error(CODE, exc)
+            return result
         ident = _get_ident()
         if ident in _training_threads:
             return original(self, mode)
