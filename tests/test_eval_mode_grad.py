@@ -934,3 +934,35 @@ def test_a_childs_train_call_in_one_thread_leaves_another_threads_eval_top_level
     model.train()
     other.train()
     assert not guarded(model) and not guarded(other)
+
+
+def test_a_parents_train_takes_off_a_childs_own_guard_and_a_frozen_batchnorm_override_stays_silent() -> None:
+    # train() does no per-thread bookkeeping: each module it reaches takes off its own guard. A subclass whose train()
+    # freezes its BatchNorm (eval() inside the parent's train()) fine-tunes silently, with every gradient.
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.conv(x))
+
+        def train(self, mode: bool = True) -> Net:
+            super().train(mode)
+            self.bn.eval()
+            return self
+
+    plain = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    plain[1].eval()
+    assert guarded(plain[1])
+    plain.train()
+    assert not guarded(plain[1]) and not guarded(plain)
+
+    net = Net()
+    with findings() as got:
+        for _ in range(3):
+            net.train()
+            net(torch.randn(2, 3, 6, 6)).sum().backward()
+    assert got == []
+    assert all(p.grad is not None for p in net.parameters())
+    assert not net.bn.training and net.training
