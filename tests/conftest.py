@@ -14,6 +14,10 @@ from safetorch import _losses, _report
 from safetorch.checks import eval_mode_grad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Stand-ins for installed libraries (a model hub's loader): code under a ``site-packages`` directory, as a library's.
+LIBRARIES = os.path.join(ROOT, "tests", "site-packages")
+if LIBRARIES not in sys.path:
+    sys.path.insert(0, LIBRARIES)
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +53,6 @@ def lineno() -> int:
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
     full_env.update(env or {})
-    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env["PYTHONPATH"] = os.pathsep.join([ROOT, LIBRARIES, full_env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
                           timeout=timeout, cwd=ROOT)

@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import fakehub  # tests/site-packages: a library, put on the path by conftest
 import pytest
 import torch
 import torch.nn as nn
@@ -20,7 +21,6 @@ from torch.autograd import Variable
 import safetorch
 from safetorch import _report
 
-from . import fakehub
 from .conftest import lineno
 
 

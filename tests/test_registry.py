@@ -105,7 +105,8 @@ namespaces = {"Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase, "F": to
               "set_grad_enabled": torch.autograd.grad_mode.set_grad_enabled, "cuda.memory": torch.cuda.memory,
               "inference_mode": torch.autograd.grad_mode.inference_mode,
               "VariableMeta": type(torch.autograd.Variable), "GradScaler": torch.amp.GradScaler,
-              "nn.utils": torch.nn.utils, "clip_grad": sys.modules["torch.nn.utils.clip_grad"]}
+              "nn.utils": torch.nn.utils, "clip_grad": sys.modules["torch.nn.utils.clip_grad"],
+              "GraphModule": torch.fx.GraphModule}
 import torch.nn.modules.loss as L
 for n, c in vars(L).items():
     if isinstance(c, type):

@@ -250,9 +250,9 @@ DDP_SCRIPT = textwrap.dedent("""\
         loss = loss * float("nan")
     loss.backward()
     model.eval()
-    for _ in range(2):  # the first eval forward is watched (run as written), the second runs under no_grad
+    for _ in range(3):  # the first eval forward is watched (run as written), the next ones keep no activations
         out = model(x)
-    print(f"rank {rank} eval output requires grad: {out.requires_grad}")
+    print(f"rank {rank} eval output requires grad: {out.requires_grad}")  # its graph, as written
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(3):  # a correct DDP loop: the step checks stay silent
@@ -264,6 +264,60 @@ DDP_SCRIPT = textwrap.dedent("""\
     dist.barrier()
     dist.destroy_process_group()
 """)
+
+
+DDP_EVAL_SCRIPT = textwrap.dedent("""\
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for epoch in range(3):
+        model.train()
+        for _ in range(4):  # gradient accumulation: the first micro-batch asks for no all-reduce
+            opt.zero_grad()
+            with model.no_sync():
+                model(torch.randn(8, 6, generator=g)).pow(2).mean().backward()
+            loss = model(torch.randn(8, 6, generator=g)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        model.eval()
+        for _ in range(3):  # an evaluation through the DDP wrapper without no_grad
+            score = model(torch.randn(8, 6, generator=g)).mean().item()
+    weights = " ".join(f"{p.double().sum().item():.17g}" for p in net.parameters())
+    dist.barrier()
+    for r in range(2):  # one line per rank, one rank at a time
+        if r == rank:
+            print(f"rank {rank} losses " + " ".join(f"{v:.17g}" for v in losses) + " weights " + weights, flush=True)
+        dist.barrier()
+    dist.destroy_process_group()
+""")
+
+
+def test_an_evaluation_through_ddp_without_no_grad_trains_bit_identically(tmp_path: str) -> None:
+    """DDP's forward with autograd on prepares its reducer for a backward; safetorch's act keeps that forward as it
+    is, so the next training step all-reduces exactly as without safetorch."""
+    path = os.path.join(tmp_path, "ddp_eval.py")
+    with open(path, "w") as fh:
+        fh.write(DDP_EVAL_SCRIPT)
+    runs = {}
+    for name, extra in (("on", {}), ("off", {"SAFETORCH_DISABLE": "1"})):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "safetorch", path]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path,
+                              env=_env(OMP_NUM_THREADS="1", **extra), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+        if name == "on":
+            assert proc.stderr.count("EvalModeGradWarning: ST003 model (DistributedDataParallel)") == 1
+    assert len(runs["on"]) == 2 and runs["on"] == runs["off"]
 
 
 def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
@@ -280,6 +334,6 @@ def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
     assert out.count("NonFiniteLossWarning: ST006 [rank 1] loss is nan") == 1
     assert "[rank 0]" not in out
     assert out.count("EvalModeGradWarning: ST003 model (DistributedDataParallel)") == 1  # DDP in eval mode
-    assert proc.stdout.count("eval output requires grad: False") == 2
+    assert proc.stdout.count("eval output requires grad: True") == 2
     assert out.count("StateDictLoadedNothingWarning: ST014 load_state_dict") == 1
     assert "ST010" not in out and "ST011" not in out

@@ -21,6 +21,7 @@ from safetorch import (
 )
 
 from .conftest import findings, lineno, run_python
+from .test_eval_mode_grad import keeps_activations
 
 
 def test_first_post_validation_loop() -> None:
@@ -39,8 +40,8 @@ def test_first_post_validation_loop() -> None:
             val_input1 = Variable(input, volatile=True); lines["ST005"] = lineno()  # noqa: E702
             val_input = val_input1.float()
             val_label = Variable(label.type(t.LongTensor), volatile=True); lines["ST005b"] = lineno()  # noqa: E702
-            score = model(val_input); lines["ST003"] = lineno()  # noqa: E702
-            graphs.append(score.grad_fn is not None)
+            score, kept = keeps_activations(lambda: model(val_input)); lines["ST003"] = lineno()  # noqa: E702, B023
+            graphs.append(kept)
             loss = criterion(score, val_label)
             if ii == 0:
                 loss_mean = loss.item()
@@ -55,8 +56,8 @@ def test_first_post_validation_loop() -> None:
         (EmptyCacheLoopWarning, lines["ST007"]),
     ]
     assert all(w.filename == __file__ for w in got)
-    assert criterion.reduction == "sum" and not score.requires_grad
-    # the first forward at that line is watched (run as written); every later one ran under no_grad
+    assert criterion.reduction == "sum" and score.requires_grad  # the graph as written, without activations
+    # the first forward at that line is watched (run as written); every later one kept no activations
     assert graphs == [True] + [False] * (len(graphs) - 1) and len(graphs) == 12
     # the summed per-pixel loss of the post: about H*W times the mean
     assert loss.item() > 16 * 16 * 0.5

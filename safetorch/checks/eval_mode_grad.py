@@ -60,7 +60,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .. import _backward
 from .._callsite import callee, getline
 from .._compat import is_compiling
-from .._exceptions import SafetorchError, SafetorchWarning
+from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry, registry
 from .._report import internal_error, is_internal, report_at, suppressed, user_frame
 from .._rule import Rule
@@ -80,6 +80,7 @@ TRAINING_CODE = "ST008"
 GROUP = "eval-mode"  # the patches ST003 and ST008 share: in place while either is installed
 
 _call_impl_code = torch.nn.Module._call_impl.__code__
+_wrapped_call_impl_code = torch.nn.Module._wrapped_call_impl.__code__
 _module_call_impl = torch.nn.Module._call_impl
 _is_compiling = is_compiling
 _is_grad_enabled = torch.is_grad_enabled
@@ -87,6 +88,10 @@ _set_grad_enabled = torch._C._set_grad_enabled
 _tracing_state = torch._C._get_tracing_state
 _functorch = getattr(torch._C, "_functorch", None)
 _peek_interpreter = getattr(_functorch, "peek_interpreter_stack", None) or (lambda: None)
+_fx_trace = getattr(torch.fx, "_symbolic_trace", None)  # its flag is read: is_fx_tracing() warns on each call
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambda: 0)
+_profiling = getattr(torch._C._autograd, "_profiler_enabled", None) or (lambda: False)
+_checkpoint = torch.utils.checkpoint.checkpoint
 
 _GRAPH_BUDGET = 200_000  # autograd nodes walked per watched forward; beyond it, assume the graph is needed
 _INPUT_BUDGET = 1_000  # objects looked at per forward when searching the inputs for a tensor requiring grad
@@ -103,10 +108,6 @@ class _Thread(threading.local):
     explicit = False  # inside an explicit enable_grad / set_grad_enabled(True) / inference_mode(False) scope
     #: Sites whose first forward this thread is running (a forward that calls autograd itself needs grad).
     watching: list[_Site]
-    #: The site whose forward ran under our no_grad most recently, since the last backward began (for its error).
-    nograd: _Site | None = None
-    #: At the start of a backward: that site, and whether the backward starts from one of its live outputs.
-    suspect: tuple[_Site, bool] | None = None
 
     def __init__(self) -> None:
         self.watching = []
@@ -122,8 +123,8 @@ _codes: set[str] = set()  # which of ST003 / ST008 are installed
 class _Site:
     """One call site of one module: its decision and what the watched first forward showed."""
 
-    __slots__ = ("backward", "filename", "globals", "kind", "lineno", "module", "name", "needs", "outputs",
-                 "state", "st008", "watched", "__weakref__")
+    __slots__ = ("acts", "backward", "due", "filename", "globals", "graph", "kind", "lineno", "module", "name", "needs",
+                 "origin", "state", "st008", "watched", "__weakref__")
 
     WATCHING, TRAIN, EVAL, FROZEN = "watching", "train", "eval", "frozen"
 
@@ -138,8 +139,12 @@ class _Site:
         self.watched = False  # its first forward ran (watched); the next one decides
         self.needs: str | None = None  # why the site needs gradients, once known
         self.backward = False  # a backward reached the watched forward's output or parameters
-        self.outputs: list[weakref.ref[torch.Tensor]] = []  # the last no_grad forward's outputs
+        #: Lives as long as the watched forward's graph (the hook on its nodes): dead means the graph died.
+        self.graph: weakref.ref[Any] | None = None
+        self.acts = True  # ST003 is on at this line: the site may become an evaluation
         self.st008 = 0  # optimizer steps seen while waiting for ST008
+        self.origin: Origin | None = None  # who put the module in eval mode, kept for ST008's message
+        self.due = False  # training the module in eval mode is known to be ST008's finding
 
     def needs_grad(self, reason: str) -> None:
         if self.needs is None:
@@ -186,7 +191,7 @@ class _Sites:
             if self.step_hook is not None:
                 self.step_hook.remove()
                 self.step_hook = None
-        _thread.nograd = _thread.suspect = None
+        _backward.unlisten(_UNHOOK)
 
 
 _sites = _Sites()
@@ -199,20 +204,36 @@ class _Guard:
     """Stands in the module's ``__dict__`` as ``_call_impl``; `Module._wrapped_call_impl` calls it with the forward's
     arguments. Holds its module weakly, so that an eval-mode model is freed as soon as the program drops it."""
 
-    __slots__ = ("module", "__weakref__")
+    __slots__ = ("evaluated", "module", "__weakref__")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = weakref.ref(module)
+        #: Since its eval(), the module ran an evaluation: a forward under no_grad/inference_mode, or at a site ST003
+        #: decided. The evidence for ST008 that a user's own eval() was meant for evaluation, not for a frozen net.
+        self.evaluated = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
         module = self.module()
-        if module is None:  # a copy of a dead module's __dict__: nothing to guard
+        if _is_compiling():  # dynamo traces this: nothing to read (and sys._getframe would break its graph)
+            return _module_call_impl(module, *args, **kwargs)
+        caller = sys._getframe(1)
+        if caller.f_code is _wrapped_call_impl_code:
+            owner = caller.f_locals.get("self")
+            if owner is not module and isinstance(owner, torch.nn.Module):
+                # Found in a copy of another module's __dict__ (a clone made by copying it): the clone runs its own
+                # forward, unguarded; the guard belongs to the module it was made for.
+                if owner.__dict__.get("_call_impl") is self:
+                    del owner.__dict__["_call_impl"]
+                return _module_call_impl(owner, *args, **kwargs)
+        if module is None:
             raise RuntimeError("safetorch: a module guard outlived its module")
         if module.training or not _codes:
             _unguard(module, self)
             return _module_call_impl(module, *args, **kwargs)
         if not _is_grad_enabled() or _thread.explicit:
+            if not _is_grad_enabled():
+                self.evaluated = True
             return _module_call_impl(module, *args, **kwargs)
         return _eval_forward(module, self, args, kwargs)
 
@@ -269,11 +290,24 @@ def _nested(frame: FrameType | None) -> bool:
 
 
 def _passthrough() -> bool:
-    return bool(_is_compiling() or _tracing_state() or _peek_interpreter() is not None)
+    """Forwards that are not a program's own calls, and neither watch nor decide a site: tracing (``torch.jit.trace``,
+    ``torch.fx.symbolic_trace``), compiling and export, ``torch.func`` transforms, and forwards under a dispatch mode
+    (``FlopCounterMode``, fake tensors) or a profiler."""
+    return bool(_is_compiling() or _tracing_state() or _peek_interpreter() is not None
+                or getattr(_fx_trace, "_is_fx_tracing_flag", False) or _dispatch_modes() or _profiling())
+
+
+def _in_forward(caller: FrameType) -> bool:
+    """True when the program's line is in a module's ``forward`` (called directly, ``net.forward(x)``: no
+    ``_call_impl`` above it): a parent's forward calls this module, as inside ``net(x)``."""
+    code = caller.f_code
+    return code.co_name == "forward" and code.co_argcount > 0 and isinstance(
+        caller.f_locals.get(code.co_varnames[0]), torch.nn.Module)
 
 
 def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An eval-mode forward with grad on and not asked for: watch it, run it under no_grad, or leave it alone."""
+    """An eval-mode forward with grad on and not asked for: watch it, run it without keeping its activations, or
+    leave it alone."""
     __tracebackhide__ = True  # noqa: F841
     site = None
     try:
@@ -286,33 +320,49 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
     if site.state is _Site.WATCHING:
         if not site.watched:
             return _watched(module, site, args, kwargs)
-        _decide(site)
-        if site.state is not _Site.EVAL:
+        _decide(site, guard)
+        if site.state is _Site.TRAIN:
             return _module_call_impl(module, *args, **kwargs)
-    # Every forward counts in the summary, and a warning first hit under an ignore filter is shown later.
-    report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site))  # raises in strict mode
-    if _inputs_require_grad(args, kwargs):
+    if site.state is _Site.EVAL:
+        # Every forward counts in the summary, and a warning first hit under an ignore filter is shown later.
+        report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site))  # raises in strict mode
+    return _checkpointed(module, site, args, kwargs)
+
+
+def _checkpointed(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The forward as a non-reentrant activation checkpoint: its activations are not kept (the inputs are), and a
+    backward that reaches it after all recomputes them and gets the gradients the program would have without
+    safetorch (eval mode is deterministic; the RNG state is restored for the recomputation). The recomputation tells
+    that the site trains: it runs as written from then on."""
+    __tracebackhide__ = True  # noqa: F841
+    calls = [0]
+
+    def forward() -> Any:
+        calls[0] += 1
+        if calls[0] > 1:
+            try:
+                _backward_reached(site)
+            except Exception as exc:
+                internal_error(CODE, exc)
         return _module_call_impl(module, *args, **kwargs)
-    _set_grad_enabled(False)
-    try:
-        output = _module_call_impl(module, *args, **kwargs)
-    finally:
-        _set_grad_enabled(True)
-    _keep_outputs(site, output)
-    return output
+
+    return _checkpoint(forward, use_reentrant=False)
 
 
 def _site_for(module: torch.nn.Module, guard: _Guard, frame: FrameType) -> _Site | None:
     caller = user_frame(frame)
     if caller is None:
         return None
+    # Top-level or not is known before any site is looked up: a line reached inside a parent's forward (through
+    # ``net(x)``, or a direct ``net.forward(x)``) is never a site, whatever it was reached for before.
+    if _nested(frame) or _in_forward(caller):
+        _child_call(module, guard, frame)  # a child of a running forward: its parent decides
+        return None
     site = _sites.site(module, caller)
     if site is not None:
         return site
-    if _nested(frame):
-        _unguard(module, guard)  # a child of a running forward: its parent decides
-        return None
     site = _sites.add(module, caller)
+    site.acts = CODE in _codes and not suppressed(CODE, site.filename, site.lineno, site.globals)
     if not any(p.requires_grad for p in module.parameters()):
         site.state = _Site.FROZEN  # nothing to record, nothing to save
     return site
@@ -363,12 +413,6 @@ def _tensors(value: Any, budget: list[int]) -> list[torch.Tensor]:
     return found
 
 
-def _inputs_require_grad(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    budget = [_INPUT_BUDGET]
-    found = _tensors((args, kwargs), budget)
-    return budget[0] < 0 or any(t.requires_grad for t in found)
-
-
 def _inspect(module: torch.nn.Module, site: _Site, output: Any) -> None:
     """Walk the watched output's graph. A leaf that is not our parameter means the graph is needed; every other node
     gets a pre-hook, so that a backward through any part of this forward's graph (its output, or activations that
@@ -377,6 +421,12 @@ def _inspect(module: torch.nn.Module, site: _Site, output: Any) -> None:
     params = {id(p) for p in module.parameters()}
     reached = _Reached(site)
     stack = list({t.grad_fn for t in _tensors(output, [_INPUT_BUDGET]) if t.grad_fn is not None})
+    if not stack:
+        # No graph left the forward (it ran under no_grad itself, or returned detached values or numbers): it keeps
+        # nothing for a backward, and there is nothing to do at this site.
+        site.state = _Site.FROZEN
+        return
+    site.graph = weakref.ref(reached)
     seen = set(stack)
     budget = _GRAPH_BUDGET
     while stack:
@@ -401,104 +451,150 @@ def _inspect(module: torch.nn.Module, site: _Site, output: Any) -> None:
 class _Reached:
     """A pre-hook on the nodes of a watched forward's graph: a backward went through it. Lives with that graph."""
 
-    __slots__ = ("site",)
+    __slots__ = ("site", "__weakref__")
 
     def __init__(self, site: _Site) -> None:
         self.site = weakref.ref(site)
 
     def __call__(self, grad_outputs: Any) -> None:
         site = self.site()
-        if site is not None and _codes and not (site.backward and site.state is not _Site.EVAL):
+        if site is not None and _codes and not site.backward:
             try:
                 _backward_reached(site)
-            except Exception as exc:  # our SafetorchError goes through
+            except Exception as exc:
                 internal_error(CODE, exc)
         return None
 
 
 def _backward_reached(site: _Site) -> None:
-    __tracebackhide__ = True  # noqa: F841
+    """A backward went through a forward of this site (its watched graph, or a recomputed checkpoint): the site trains,
+    and its later forwards run as written."""
     site.needs_grad("a backward")
-    if site.state is _Site.EVAL:
-        raise SafetorchError(_lost_message(site), code=CODE, filename=site.filename, lineno=site.lineno)
+    if site.state is _Site.EVAL or site.state is _Site.WATCHING and site.watched:
+        site.state = _Site.TRAIN
     if not site.backward:
         site.backward = True
-        if TRAINING_CODE in _codes:
-            _arm_st008(site)
+        module = site.module()
+        if TRAINING_CODE in _codes and module is not None:
+            due, origin = _st008_evidence(module)
+            if due:
+                _arm_st008(site, origin)
 
 
-def _decide(site: _Site) -> None:
-    """The second forward at a site: it needs gradients, or it is an evaluation (ST003, no_grad from now on)."""
-    __tracebackhide__ = True  # noqa: F841
-    if site.needs is not None:
+def _st008_evidence(module: torch.nn.Module) -> tuple[bool, Origin | None]:
+    """(whether training this eval-mode module is ST008's finding, who put it in eval mode). It is when a library
+    called its ``eval()`` (a loader such as ``from_pretrained``), or when the program's own ``eval()`` was followed
+    by an evaluation (forwards under no_grad, or a site ST003 decided): the forgotten ``train()`` after validation.
+    The program's ``eval()`` followed straight by training is a choice (a backbone frozen on purpose): silent."""
+    entry = _sites.guarded.get(id(module))
+    origin = entry[1] if entry is not None else None
+    guard = _guard_of(module)
+    if guard is not None and not guard.evaluated and any(
+            s.module() is module and s.state is _Site.WATCHING and s.watched and s.needs is None
+            and s.graph is not None and s.graph() is None for s in list(_sites.sites.values())):
+        guard.evaluated = True  # a watched forward whose graph died unused: an evaluation, not yet decided
+    # A library's eval() inside a module's __init__ freezes that library's own layers: not a loader's.
+    by_library = origin is not None and bool(origin[2]) and origin[0].co_name != "__init__" and _library(origin[0])
+    return by_library or (guard is not None and guard.evaluated), origin
+
+
+def _child_call(module: torch.nn.Module, guard: _Guard, frame: FrameType) -> None:
+    """The first call of a guarded module from inside another module's forward: the training parent decides for it,
+    and the guard goes. When its eval mode is ST008's finding (`_st008_evidence`: a loader's ``eval()`` under a new
+    wrapper, ``get_peft_model(from_pretrained(...))``), an optimizer step of its parameters is reported at the
+    program's line that called the outermost module."""
+    try:
+        if TRAINING_CODE in _codes and any(p.requires_grad for p in module.parameters()):
+            due, origin = _st008_evidence(module)
+            top = _outermost_caller(frame) if due else None
+            if top is not None:
+                site = _Site(module, top)
+                site.state, site.backward, site.due = _Site.TRAIN, True, True  # its guard goes: decided now
+                _arm_st008(site, origin)
+    except Exception as exc:
+        internal_error(TRAINING_CODE, exc)
+    _unguard(module, guard)
+
+
+def _outermost_caller(frame: FrameType | None) -> FrameType | None:
+    """The program's frame that called the outermost module whose forward runs (``model(x)`` in the training loop)."""
+    outer = None
+    while frame is not None:
+        if frame.f_code is _call_impl_code:
+            outer = frame
+        frame = frame.f_back
+    return user_frame(outer.f_back) if outer is not None else None
+
+
+def _decide(site: _Site, guard: _Guard) -> None:
+    """A later forward at a watched site: it needs gradients (something used the watched graph), or it is an
+    evaluation (the watched graph died unused: ST003 from now on), or it is too early to tell (the watched graph is
+    still alive: a rollout buffer, outputs kept for a later loss) and this forward is checkpointed."""
+    if site.needs is not None or not site.acts:
+        # With ST008 alone, or on a line that says `# safetorch: ignore[ST003]`, observe and never change anything.
         site.state = _Site.TRAIN
         return
-    # ST003 reports it at each forward from now on; with ST008 alone, or on a line that says
-    # `# safetorch: ignore[ST003]`, observe and never change anything.
-    evaluate = CODE in _codes and not suppressed(CODE, site.filename, site.lineno, site.globals)
-    site.state = _Site.EVAL if evaluate else _Site.TRAIN
-
-
-def _keep_outputs(site: _Site, output: Any) -> None:
-    try:
-        site.outputs = [weakref.ref(t) for t in _tensors(output, [64])]
-        _thread.nograd = site
-        _listen_to_backwards()
-    except Exception as exc:
-        internal_error(CODE, exc)
+    if site.graph is not None and site.graph() is not None:
+        return
+    site.state = _Site.EVAL
+    guard.evaluated = True
 
 
 def _message(site: _Site) -> str:
     return (f"{CODE} {site.name} ({site.kind}) is in eval mode with autograd on: eval() does not disable gradients, "
             f"so each forward here would keep every activation for a backward that never comes. safetorch watched "
-            f"the first forward at this line, saw nothing use its graph, and runs the next ones under "
-            f"torch.no_grad(). Write: `with torch.no_grad():` around the evaluation (or {site.name}.train() if you "
-            f"train through this forward)")
-
-
-def _ways_out(site: _Site) -> str:
-    return (f"To train through it: call {site.name}.train() before the forward, or wrap the forward in "
-            f"`with torch.enable_grad():`, or end that line with `# safetorch: ignore[ST003]`, or switch this check "
-            f"off with SAFETORCH_IGNORE=ST003.")
-
-
-def _lost_message(site: _Site) -> str:
-    return (f"{CODE} backward() reached the output of {site.name} ({site.kind}) at {site.filename}:{site.lineno}, a "
-            f"forward of an eval-mode model that safetorch took for an evaluation: nothing had used the graph of its "
-            f"first forward when the second ran, so the later forwards there ran under torch.no_grad() and give no "
-            f"gradient. {_ways_out(site)}")
+            f"the first forward at this line, saw its graph die unused, and runs the next ones without keeping their "
+            f"activations (a backward that reaches one recomputes them). Write: `with torch.no_grad():` around the "
+            f"evaluation (or {site.name}.train() if you train through this forward)")
 
 
 # --- ST008: an optimizer trains a model that is in eval mode ---------------------------------------------------
 
 
-def _arm_st008(site: _Site) -> None:
+def _arm_st008(site: _Site, origin: Origin | None) -> None:
     with _sites.lock:
         if site in _sites.pending:
             return
-        site.st008 = 0
+        site.st008, site.origin = 0, origin
         _sites.pending.append(site)
         if _sites.step_hook is None:
             _sites.step_hook = register_optimizer_step_pre_hook(_step_pre_hook)
 
 
+_UNHOOK = "ST008:unhook"
+
+
+def _unhook(tensors: Any) -> None:
+    """A backward listener, once: take ST008's step hook away when no site waits for a step any more."""
+    _backward.unlisten(_UNHOOK)  # the backward iterates over a tuple of listeners: leaving it now is safe
+    with _sites.lock:
+        if not _sites.pending and _sites.step_hook is not None:
+            _sites.step_hook.remove()
+            _sites.step_hook = None
+
+
 def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
+    if not _sites.pending:
+        return  # idle until the next backward takes it away
     try:
         held = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
         found, waiting = [], []
         for site in list(_sites.pending):
             module = site.module()
             site.st008 += 1
-            if module is not None and any(id(p) in held for p in module.parameters()):
+            if module is not None and not module.training and any(id(p) in held for p in module.parameters()) \
+                    and (site.due or _st008_evidence(module)[0]):
                 found.append((site, module))
             elif module is not None and site.st008 < _ST008_PATIENCE:
                 waiting.append(site)
         with _sites.lock:
             _sites.pending = waiting
-            if not waiting and _sites.step_hook is not None:
-                _sites.step_hook.remove()
-                _sites.step_hook = None
+        if not waiting:
+            # torch is iterating over its dict of global step pre-hooks right now: removing ours from it would make
+            # the next hook's turn raise "OrderedDict mutated during iteration". It stays, idle, and goes at the
+            # next backward, outside any optimizer step.
+            _backward.listen(_UNHOOK, before=_unhook)
     except Exception as exc:
         internal_error(TRAINING_CODE, exc)
         return
@@ -508,7 +604,7 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
 
 
 def _st008_message(site: _Site, module: torch.nn.Module) -> str:
-    origin = _describe(_sites.guarded.get(id(module), (None, None))[1])
+    origin = _describe(site.origin)
     return (f"{TRAINING_CODE} {site.name} ({site.kind}) is trained in eval mode: an optimizer updates its parameters, "
             f"but dropout is off and BatchNorm uses its running statistics. It was put in eval mode by {origin}. "
             f"Write: {site.name}.train() before the training loop (or SAFETORCH_IGNORE=ST008 if you train it in eval "
@@ -526,11 +622,15 @@ _libraries: dict[str, bool] = {}
 
 
 def _library(code: Any) -> bool:
-    """True for code of an installed library or the standard library (cached by file name: every eval() asks)."""
+    """True for code of an installed library or the standard library: under this interpreter's library directories,
+    or under any ``site-packages``/``dist-packages`` directory (another environment's, a ``--target`` install).
+    Cached by file name: every eval() asks."""
     filename = code.co_filename
     answer = _libraries.get(filename)
     if answer is None:
-        answer = filename.startswith("<frozen") or os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+        path = os.path.abspath(filename)
+        answer = filename.startswith("<frozen") or path.startswith(_LIBRARY_DIRS) or any(
+            f"{os.sep}{d}{os.sep}" in path for d in ("site-packages", "dist-packages"))
         if len(_libraries) < 4096:
             _libraries[filename] = answer
     return answer
@@ -571,6 +671,9 @@ def _describe(origin: Origin | None) -> str:
     called = f"{outer[0].co_filename}:{_line_at(*outer)}" if outer is not None else ""
     where = f"{filename}:{lineno}"
     if module and _library(code):
+        if outer is not None:  # the program's line first, the library's frame after it
+            line = getline(outer[0].co_filename, _line_at(*outer)).strip()
+            return f"`{line}` at {called}, in {name} at {where}" if line else f"{called}, in {name} at {where}"
         text = f"{name} at {where}"
     else:
         line = getline(filename, lineno).strip() or "eval()"
@@ -634,11 +737,50 @@ def _getstate(original: Any) -> Any:
         state = original(self)
         if isinstance(state, dict) and isinstance(state.get("_call_impl"), _Guard):
             caller = sys._getframe(1)
-            if caller.f_code is not _deepcopy_code:
+            if caller.f_code is _REDUCE_EX_CODE:  # through our Module.__reduce_ex__: who called that
+                caller = caller.f_back
+            if caller is None or caller.f_code is not _deepcopy_code:
                 del state["_call_impl"]
         return state
 
     return __getstate__
+
+
+def _reduce_ex(original: Any) -> Any:
+    """``Module.__reduce_ex__`` (which ``object`` gives every module): whatever reduces a module — pickle,
+    ``torch.save``, ``copy.copy``, multiprocessing, a class's own ``__getstate__`` or ``__reduce__`` that copies the
+    ``__dict__`` itself (``fx.GraphModule``) — does it without the guard, which is put back after; ``copy.deepcopy``
+    keeps it (the copy gets a guard of its own)."""
+
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        d = self.__dict__
+        guard = d.get("_call_impl")
+        if not isinstance(guard, _Guard) or sys._getframe(1).f_code is _deepcopy_code:
+            return original(self, protocol)
+        del d["_call_impl"]
+        try:
+            return original(self, protocol)
+        finally:
+            d.setdefault("_call_impl", guard)
+
+    return __reduce_ex__
+
+
+_REDUCE_EX_CODE = _reduce_ex(None).__code__
+
+
+def _without_guard(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A method that reads the module's own ``__dict__`` (``GraphModule.__reduce_package__``: torch.package;
+    ``Module.compile``, which compiles ``self._call_impl``): it runs without the guard, which is put back after."""
+    d = getattr(instance, "__dict__", {})
+    guard = d.get("_call_impl")
+    if not isinstance(guard, _Guard):
+        return wrapped(*args, **kwargs)
+    del d["_call_impl"]
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        d.setdefault("_call_impl", guard)
 
 
 def _replicate(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -690,8 +832,7 @@ class _RegisterHook(MethodPatch):
 
 
 #: The listener below runs on every backward only while it has something to do: during a watched forward (a backward
-#: inside it), and for the next two backwards after a forward we ran under no_grad (the first takes note of it for its
-#: error message, the second clears that note). A training loop pays nothing for it otherwise.
+#: inside it), until the next backward after it. A training loop pays nothing for it otherwise.
 _WATCH = "ST003:backwards"
 _listening = False
 
@@ -711,50 +852,29 @@ def _stop_listening() -> None:
 
 
 def _before_backward(tensors: Any) -> None:
-    thread = _thread
-    if thread.watching:
-        for site in thread.watching:
+    watching = _thread.watching
+    if watching:
+        for site in watching:
             site.needs_grad("a backward inside its forward")
-    site = thread.nograd
-    if site is not None:
-        thread.nograd = None
-        # Still alive at the backward (``out = model(x)``, then ``loss = f(out)``): it most likely starts there.
-        thread.suspect = (site, any(r() is not None for r in site.outputs))
-        return
-    thread.suspect = None
-    if not thread.watching:
+    else:
         _stop_listening()
-
-
-def _backward_error(error: RuntimeError) -> BaseException | None:
-    """torch's "does not require grad" error after a forward that we ran under no_grad, in this thread, since the last
-    backward. When that forward's output is still alive (``out = model(x)``; ``loss = f(out)``) the backward starts
-    from it: a `SafetorchError` says why there is no graph. Otherwise torch's error keeps its type and message, and
-    gets a note naming that forward as a possible cause."""
-    suspect, _thread.suspect = _thread.suspect, None
-    if suspect is None or "does not require grad" not in str(error):
-        return None
-    site, starts_there = suspect
-    why = (f"safetorch ran the eval-mode forward of {site.name} ({site.kind}) at {site.filename}:{site.lineno} under "
-           f"torch.no_grad() (nothing had used the graph of the first forward there), so its output carries no graph. "
-           f"{_ways_out(site)}")
-    if starts_there:
-        return SafetorchError(f"{CODE} backward() failed: {error}. {why}", code=CODE)
-    if hasattr(error, "add_note"):
-        error.add_note(f"{CODE} note: if this loss comes from that forward: {why}")
-    return None
 
 
 def _install_shared(registry: Registry) -> None:
     registry.replace(torch.nn.Module, "train", _train, GROUP)
     registry.replace(torch.nn.Module, "__getstate__", _getstate, GROUP)
+    registry.replace(torch.nn.Module, "__reduce_ex__", _reduce_ex, GROUP)
+    if hasattr(torch.nn.Module, "compile"):
+        registry.wrap(torch.nn.Module, "compile", _without_guard, GROUP)
+    graph_module = getattr(getattr(torch, "fx", None), "GraphModule", None)
+    if graph_module is not None and "__reduce_package__" in graph_module.__dict__:
+        registry.wrap(graph_module, "__reduce_package__", _without_guard, GROUP)
     registry.wrap(torch.nn.Module, "_replicate_for_data_parallel", _replicate, GROUP)
     for cls in (grad_mode.enable_grad, grad_mode.set_grad_enabled, grad_mode.inference_mode):
         registry.wrap(cls, "__enter__", _enter_explicit, GROUP)
         registry.wrap(cls, "__exit__", _exit_explicit, GROUP)
     registry.wrap(torch.autograd, "grad", _autograd_in_forward, GROUP)
     registry.method(torch.Tensor, "register_hook", _RegisterHook, GROUP)
-    _backward.listen(CODE, on_error=_backward_error)
 
 
 def enable(code: str, registry: Registry = registry) -> None:
@@ -769,7 +889,6 @@ def disable(code: str) -> None:
     if _codes:
         return
     _stop_listening()
-    _backward.unlisten(CODE)
     registry.restore(GROUP)
     for ref, _ in list(_sites.guarded.values()):
         module = ref()

@@ -15,6 +15,7 @@ import safetorch
 from safetorch import EvalModeTrainingWarning
 
 from ..conftest import findings, lineno
+from ..test_eval_mode_grad import keeps_activations
 
 
 def _tiny_bert(path: str) -> None:
@@ -70,9 +71,13 @@ def test_evaluating_a_from_pretrained_bert_without_no_grad_gets_st003(tmp_path: 
     _tiny_bert(str(tmp_path))
     transformers = pytest.importorskip("transformers")
     model = transformers.BertForSequenceClassification.from_pretrained(str(tmp_path))
+    kept = []
     with findings() as got:
-        logits = [model(input_ids=torch.randint(0, 64, (2, 8))).logits for _ in range(3)]
-    assert [t.grad_fn is not None for t in logits] == [True, False, False]
+        for _ in range(4):  # a validation loop: each batch's logits die at the next one
+            logits, k = keeps_activations(lambda: model(input_ids=torch.randint(0, 64, (2, 8))).logits)
+            kept.append(k)
+            logits.argmax(-1)
+    assert kept == [True, False, False, False]  # watched, then checkpointed: no activations kept
     assert [w.category for w in got if issubclass(w.category, safetorch.SafetorchWarning)] == [
         safetorch.EvalModeGradWarning]
 
