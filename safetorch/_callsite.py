@@ -279,9 +279,24 @@ def calls_method(frame: FrameType, method: str) -> bool | None:
     answer: bool | None = None  # unreadable, or a call that may be the method (`getattr(t, m)()`, `f()`)
     if node is not None and isinstance(node.func, ast.Attribute):
         answer = node.func.attr == method
+    elif node is not None and isinstance(node.func, ast.Name) and _builtin(frame, node.func.id):
+        answer = False  # `any(map(torch.Tensor.bool, ts))`: a builtin calls the method, as a key function would
     trim(_calls, MAX_ANSWERS)
     _calls[key] = (code, answer)
     return answer
+
+
+def _builtin(frame: FrameType, name: str) -> bool:
+    """Whether ``name`` in the frame is a function or type written in C (``any``, ``map``, ``sorted``): a method
+    reached from the frame's call of it was called from C. A tensor method under another name (``f = x.float``)
+    is no builtin of this kind."""
+    value = frame.f_locals.get(name, frame.f_globals.get(name, _MISSING_NAME))
+    if value is _MISSING_NAME:
+        value = frame.f_builtins.get(name, _MISSING_NAME)
+    return getattr(value, "__module__", None) == "builtins"  # `any`, and types such as `map` or `sorted`'s list
+
+
+_MISSING_NAME = object()
 
 
 def callee(frame: FrameType) -> str | None:

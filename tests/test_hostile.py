@@ -202,6 +202,8 @@ def test_a_key_function_is_not_a_discarded_call() -> None:
         ts.sort(key=torch.Tensor.float)
         for _ in map(torch.Tensor.float, ts):
             pass
+        any(map(torch.Tensor.bool, ts))
+        sorted(ts, key=torch.Tensor.double)
     assert got == []
     with findings() as got:
         ts[0].float(); line = lineno()  # noqa: E702
