@@ -404,3 +404,41 @@ def test_st008_names_the_users_loader_line_before_the_librarys() -> None:
     assert message[message.index("put in eval mode by "):].startswith(
         "put in eval mode by `model = fakehub.from_pretrained(); load = lineno()")
 
+
+
+class _OwnCall(nn.Module):
+    """A class with its own __call__, as some libraries write one (logging, input conversion)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return super().__call__(*args, **kwargs)
+
+
+def test_a_class_with_its_own_call_has_its_callers_lines_as_sites() -> None:
+    def program() -> Any:
+        torch.manual_seed(0)
+        model = _OwnCall().eval()
+        for _ in range(3):
+            model(torch.randn(4, 3)).argmax(1)  # an evaluation, at its own line
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = model(torch.randn(4, 3)).pow(2).mean()  # training in eval mode, from another line
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return weights(model)
+
+    on, off = both(program)
+    assert same(on, off)
+    with findings() as got:
+        model = _OwnCall().eval()
+        for _ in range(3):
+            model(torch.randn(4, 3)).argmax(1); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
+    assert str(got[0].message).startswith("ST003 model (_OwnCall)")

@@ -297,12 +297,15 @@ def _passthrough() -> bool:
                 or getattr(_fx_trace, "_is_fx_tracing_flag", False) or _dispatch_modes() or _profiling())
 
 
+def _first_argument(frame: FrameType) -> Any:
+    code = frame.f_code
+    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount > 0 else None
+
+
 def _in_forward(caller: FrameType) -> bool:
     """True when the program's line is in a module's ``forward`` (called directly, ``net.forward(x)``: no
     ``_call_impl`` above it): a parent's forward calls this module, as inside ``net(x)``."""
-    code = caller.f_code
-    return code.co_name == "forward" and code.co_argcount > 0 and isinstance(
-        caller.f_locals.get(code.co_varnames[0]), torch.nn.Module)
+    return caller.f_code.co_name == "forward" and isinstance(_first_argument(caller), torch.nn.Module)
 
 
 def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -351,6 +354,8 @@ def _checkpointed(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], k
 
 def _site_for(module: torch.nn.Module, guard: _Guard, frame: FrameType) -> _Site | None:
     caller = user_frame(frame)
+    while caller is not None and caller.f_code.co_name == "__call__" and _first_argument(caller) is module:
+        caller = user_frame(caller.f_back)  # the class's own __call__ (``super().__call__(x)``): its caller's line
     if caller is None:
         return None
     # Top-level or not is known before any site is looked up: a line reached inside a parent's forward (through
