@@ -92,6 +92,10 @@ _fx_trace = getattr(torch.fx, "_symbolic_trace", None)  # its flag is read: is_f
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambda: 0)
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", None) or (lambda: False)
 _checkpoint = torch.utils.checkpoint.checkpoint
+_getrefcount = sys.getrefcount
+#: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``; dynamo holds it True
+#: while it compiles (torch 2.3+; older releases call the function).
+_compiler = torch.compiler if hasattr(getattr(torch, "compiler", None), "_is_compiling_flag") else None
 
 _GRAPH_BUDGET = 200_000  # autograd nodes walked per watched forward; beyond it, assume the graph is needed
 _INPUT_BUDGET = 1_000  # objects looked at per forward when searching the inputs for a tensor requiring grad
@@ -215,11 +219,13 @@ class _Guard:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
         module = self.module()
-        if _is_compiling():  # dynamo traces this: nothing to read (and sys._getframe would break its graph)
-            return _module_call_impl(module, *args, **kwargs)
-        caller = sys._getframe(1)
-        if caller.f_code is _wrapped_call_impl_code:
-            owner = caller.f_locals.get("self")
+        if _compiler._is_compiling_flag if _compiler is not None else _is_compiling():
+            return _module_call_impl(module, *args, **kwargs)  # dynamo traces this: sys._getframe would break it
+        # Held by more than the module's __dict__ and this call: perhaps by a copy of that __dict__ (a clone). Only
+        # then is the caller's frame read (the refcount costs a C call; the frame's locals, a dict).
+        if _getrefcount(self) > _GUARD_REFS:
+            caller = sys._getframe(1)
+            owner = caller.f_locals.get("self") if caller.f_code is _wrapped_call_impl_code else module
             if owner is not module and isinstance(owner, torch.nn.Module):
                 # Found in a copy of another module's __dict__ (a clone made by copying it): the clone runs its own
                 # forward, unguarded; the guard belongs to the module it was made for.
@@ -254,6 +260,26 @@ class _Guard:
             return self  # the guard copied alone, not with its module
         _remember(copy, _sites.guarded.get(id(module), (None, None))[1])
         return _Guard(copy)
+
+
+def _calibrate() -> int:
+    """How many references a guard has inside its own call when only its module's ``__dict__`` holds it (the
+    interpreter's own references differ between Python versions): one more means a copy of that ``__dict__``."""
+    seen: list[int] = []
+
+    class _Probe(_Guard):
+        __slots__ = ()
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            seen.append(_getrefcount(self))
+
+    probe = torch.nn.Module()
+    probe.__dict__["_call_impl"] = _Probe(probe)
+    probe()
+    return seen[0] if seen else 0
+
+
+_GUARD_REFS = _calibrate()
 
 
 def _guard_of(module: torch.nn.Module) -> _Guard | None:
