@@ -166,6 +166,56 @@ def test_the_demo_fires_every_rule_once_on_its_line() -> None:
     assert len(marked) == len(safetorch.RULES)
 
 
+HOOKED_DEMO = textwrap.dedent("""\
+    import collections, json, runpy, sys
+    import torch
+    from torch.nn.modules import module as nn_module
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    calls = collections.Counter()
+    order = sys.argv[1]
+
+    def user_hooks(when):
+        late = []
+
+        def post(m, a, out):
+            calls.update([when + " post"])
+            if m.training and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda g: calls.update([when + " grad"]))  # a backward hook
+            if len(late) < 3:  # step pre-hooks registered during the run: after the ones standing then
+                late.append(register_optimizer_step_pre_hook(lambda o, a, k: calls.update([when + " late step"])))
+
+        nn_module.register_module_forward_pre_hook(lambda m, a: calls.update([when + " pre"]))
+        nn_module.register_module_forward_hook(post)
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.update([when + " step"]))
+
+    if order == "user first":
+        user_hooks("first")
+    import safetorch
+    if order == "safetorch first":
+        user_hooks("after")
+    runpy.run_path("examples/demo.py", run_name="__main__")
+    print(json.dumps(calls))
+""")
+
+
+@pytest.mark.parametrize("order", ["user first", "safetorch first"])
+def test_user_hooks_before_and_after_ours_over_the_demo_that_fires_every_rule(order: str) -> None:
+    """The user's module forward pre/post hooks, step pre-hooks and tensor backward hooks, registered before
+    safetorch's and after them (step pre-hooks registered during the run stand after the ones safetorch has put in
+    place by then): every rule fires, nothing raises, every hook is called."""
+    proc = subprocess.run([sys.executable, "-c", HOOKED_DEMO, order], capture_output=True, text=True, cwd=ROOT,
+                          env=_env(SAFETORCH_REPORT="0"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fired = set(re.findall(r"^examples/demo\.py:\d+: \w+Warning: (ST0\d\d) ", proc.stderr, re.M))
+    assert fired == set(safetorch.RULES), sorted(set(safetorch.RULES) - fired)
+    calls = json.loads(proc.stdout.strip().splitlines()[-1])
+    when = "first" if order == "user first" else "after"
+    for kind in ("pre", "post", "step", "grad", "late step"):
+        assert calls.get(f"{when} {kind}", 0) > 0, (kind, calls)
+    assert calls[f"{when} pre"] == calls[f"{when} post"]
+
+
 # --- pytest plugin --------------------------------------------------------------------------------------------
 
 TEST_FILE = textwrap.dedent("""\
