@@ -77,6 +77,7 @@ def is_internal(code: CodeType) -> bool:
 
 def clear_caches() -> None:
     _internal_codes.clear()
+    _off.clear()
 
 
 #: The file names of code that torch generates (fx's GraphModule code, dynamo's): the names torch gives them, not any
@@ -141,6 +142,8 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
               message: str | Callable[[], str]) -> None:
     """`report` for a line remembered earlier (ST006 on CUDA reports a step after the line ran)."""
     __tracebackhide__ = True  # noqa: F841
+    if rule_off(code, filename, lineno, module_globals):
+        return  # a warnings filter names this rule here: it is off, as SAFETORCH_IGNORE would switch it off
     key = (code, filename, lineno)
     site = _sites.get(key)
     strict = _config.current.strict
@@ -224,6 +227,85 @@ def _ignored(site: Site, category: type[Warning], module: str) -> bool:
         return True
     site.ignored_under = None
     return False
+
+
+#: Per call site and rule: (the filters list, its length, its first entry, the answer) of the last `rule_off`.
+_off: dict[tuple[str, str, int], tuple[Any, int, Any, bool]] = {}
+_CODE_LIKE = re.compile(r"(?i)st\d*")
+_named_no_rule: set[str] = set()
+
+
+def rule_off(code: str, filename: str, lineno: int, module_globals: dict[str, Any]) -> bool:
+    """Whether the warning filters in force switch rule ``code`` off at this line: the first filter that applies
+    to the rule's warning there, among those that *name* a rule, ignores it. A filter names a rule by its code at
+    the start of its message pattern, as a whole word (``-W ignore:ST003``; ``ignore:ST01`` names none), or by a
+    safetorch category (``ignore::safetorch.EvalModeGradWarning``, ``ignore::safetorch.SafetorchWarning`` for all).
+    A filter that names no rule (``simplefilter("ignore")``, ``ignore::UserWarning``) only hides the message, and
+    the rule still acts. Cached per site until the filters change (a dict lookup and three comparisons)."""
+    filters = warnings.filters
+    key = (code, filename, lineno)
+    entry = _off.get(key)
+    first = filters[0] if filters else None
+    if entry is not None and entry[0] is filters and entry[1] == len(filters) and entry[2] is first:
+        return entry[3]
+    answer = False
+    try:
+        category = _rule(code).category
+        module = module_globals.get("__name__") or _module_name(filename)
+        answer = _filtered_off(code, category, module, lineno, filters)
+        _warn_filters_naming_no_rule(filters, filename, lineno, module)
+    except Exception as exc:
+        internal_error(code, exc)
+    if len(_off) > 1 << 14:
+        _off.clear()
+    _off[key] = (filters, len(filters), first, answer)
+    return answer
+
+
+def _names(msg: Any, code: str) -> bool | None:
+    """Whether a filter's message pattern names rule ``code`` (True), names another text (False), or is empty."""
+    if msg is None or not msg.pattern:
+        return None
+    found = msg.match(code + " ")
+    return found is not None and found.end() >= len(code)
+
+
+def _filtered_off(code: str, category: type[Warning], module: str, lineno: int, filters: Any) -> bool:
+    from ._exceptions import SafetorchWarning
+
+    for action, msg, cat, mod, ln in filters:
+        if not issubclass(category, cat) or (mod is not None and not mod.match(module)) or (ln and ln != lineno):
+            continue
+        names = _names(msg, code)
+        if names is False:
+            continue  # another message (or a code prefix that is no whole code: `ST01`)
+        if names is None and not issubclass(cat, SafetorchWarning):
+            continue  # a blanket filter (every warning, every UserWarning): it hides, it does not switch off
+        return action == "ignore"
+    return False
+
+
+def _warn_filters_naming_no_rule(filters: Any, filename: str, lineno: int, module: str) -> None:
+    """An ignore filter whose message looks like a rule code but is none (``ignore:ST01``, a typo for ST001) hides
+    every finding whose code starts with it and switches none off: say so, once per pattern."""
+    from ._exceptions import SafetorchConfigWarning
+    from ._rules import RULES
+
+    for action, msg, _cat, _mod, _ln in filters:
+        if action != "ignore" or msg is None or not _CODE_LIKE.fullmatch(msg.pattern.replace("\\", "")):
+            continue
+        pattern = msg.pattern
+        if pattern in _named_no_rule or any(_names(msg, code) for code in RULES):
+            continue
+        _named_no_rule.add(pattern)
+        try:  # at the line of the finding it hides
+            warnings.warn_explicit(
+                f"safetorch: the warnings filter 'ignore:{pattern}' names no rule (codes are matched as whole words: "
+                f"{', '.join(sorted(RULES)[:2])}, …): no rule is switched off, but Python hides every message that "
+                f"starts with {pattern!r}. Write the whole code (-W ignore:ST003) or use SAFETORCH_IGNORE.",
+                SafetorchConfigWarning, filename, lineno, module=module)
+        except Exception:  # a filter set to "error" must not break the host
+            pass
 
 
 def internal_error(code: str, exc: BaseException, what: str = "failed internally") -> None:

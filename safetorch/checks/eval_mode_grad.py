@@ -62,7 +62,7 @@ from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry, registry
-from .._report import internal_error, is_internal, report_at, suppressed, user_frame
+from .._report import internal_error, is_internal, report_at, rule_off, suppressed, user_frame
 from .._rule import Rule
 
 CODE = "ST003"
@@ -352,6 +352,8 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
         _decide(site, guard)
         if site.state is _Site.TRAIN:
             return _module_call_impl(module, *args, **kwargs)
+    if rule_off(CODE, site.filename, site.lineno, site.globals):
+        return _module_call_impl(module, *args, **kwargs)  # a warnings filter switched ST003 off here: as written
     if site.state is _Site.EVAL:
         # Every forward counts in the summary, and a warning first hit under an ignore filter is shown later.
         report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site))  # raises in strict mode
