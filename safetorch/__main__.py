@@ -90,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     if module is not None and not _importable(module):
         return _fail(f"no module named {module!r}")
 
-    # Children started with the same interpreter (spawned workers that import safetorch) see the same settings.
+    # Every Python the program starts installs safetorch with the same settings and reports into this run: the
+    # start-up hook in safetorch/_boot (a sitecustomize, which chains to any other) sees SAFETORCH_RUNNER.
     if ns.strict:
         os.environ["SAFETORCH_STRICT"] = "1"
     if ns.ignore is not None:
         os.environ["SAFETORCH_IGNORE"] = ns.ignore
+    boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
+    os.environ["SAFETORCH_RUNNER"] = "1"
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (boot, os.environ.get("PYTHONPATH", "")) if p)
 
     import dataclasses
 

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable
 from types import ModuleType, TracebackType
 
-from . import _callsite, _config, _notebook, _report
+from . import _callsite, _config, _notebook, _report, _run
 from ._exceptions import SafetorchConfigWarning, SafetorchError, SafetorchWarning
 from ._patch import registry, wrapt_c_extension
 
@@ -97,6 +97,7 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
         _config.current = cfg
         if cfg.disabled:
             return
+        _run.start()  # join the run of the environment (a parent's, torchrun's job), or start one
         wanted = {code for code in checks() if code not in cfg.ignore}
         for code in sorted(_installed - wanted):
             _teardown(code)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
-from . import _config, _notebook
+from . import _config, _notebook, _run
 from ._callsite import getline
 from ._exceptions import SafetorchError, SafetorchInternalWarning
 
@@ -132,6 +132,15 @@ _internal_reported: set[str] = set()
 _lock = threading.Lock()
 
 
+def _forked() -> None:
+    """A forked child starts with its parent's sites: it counts and reports its own (the parent showed those)."""
+    _sites.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 def report(code: str, frame: FrameType, message: str | Callable[[], str]) -> None:
     """Report finding ``code`` at ``frame``'s current line: warn once per call site, or raise in strict mode."""
     __tracebackhide__ = True  # noqa: F841  (pytest hides this frame)
@@ -162,13 +171,18 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         shown_as = _notebook.cell_name(filename) or filename  # `Cell In[5]` for a Jupyter cell
         with _lock:
             site = _sites.setdefault(key, Site(code, shown_as, lineno, text, rank=_RANK if _WORLD > 1 else None))
+        if not _run.owner() and _run.reported_elsewhere(code, site.filename, lineno):
+            site.shown = True  # a worker of the run: the process that reported it first has shown it
+        _run.record(code, site.filename, lineno, site.message, 1)  # written now: a child may end by os._exit
     rule = _rule(code)
     if strict:  # every rank raises; the site stays in the summary and the JSON report
         site.shown = True
         raise SafetorchError(site.message, code=code, filename=site.filename, lineno=lineno)
+    if site.shown and not strict:
+        return
     if _RANK != 0 and not rule.per_rank:
         site.shown = True
-        return  # under torchrun, rank 0 prints what every rank sees
+        return  # under torchrun, rank 0 prints what every rank sees (this rank's summary, what only it saw)
     module = module_globals.get("__name__") or _module_name(filename)
     if _ignored(site, rule.category, module):
         return
@@ -349,6 +363,7 @@ def reset() -> None:
     with _lock:
         _sites.clear()
         _internal_reported.clear()
+    _run.forget()
 
 
 def prune_traceback(tb: TracebackType | None) -> TracebackType | None:
@@ -373,17 +388,51 @@ def shown_here(site: Site) -> bool:
     return _RANK == 0 or _rule(site.code).per_rank
 
 
-def format_summary() -> str:
-    sites = [s for s in findings() if shown_here(s) and not s.suppressed]
-    lines = [f"safetorch: {len(sites)} finding(s) at {sum(s.count for s in sites)} occurrence(s)"]
+def _only_here(site: Site) -> bool:
+    """A shared finding of a rank other than 0 that no other process of the job has reported: this rank prints it."""
+    return not shown_here(site) and not _run.reported_elsewhere(site.code, site.filename, site.lineno)
+
+
+def _from_others() -> list[dict[str, Any]]:
+    """What the run's other processes reported (children, workers, other ranks), for the owner's summary."""
+    if not _run.owner() or _run.directory() is None:
+        return []
+    me = os.getpid()
+    mine = {(s.code, s.filename, s.lineno) for s in findings()}
+    return [e for e in _run.merged() if set(e["pids"]) - {me} and (e["code"], e["file"], e["line"]) not in mine]
+
+
+def format_summary(others: list[dict[str, Any]] | None = None) -> str:
+    sites = [s for s in findings() if (shown_here(s) or _only_here(s)) and not s.suppressed]
+    others = _from_others() if others is None else others
+    ranks = []
+    if _run.torchrun():  # each rank prints its own findings; rank 0 says how many the others have
+        ranks, others = (others if _RANK == 0 else []), []
+    head = f"safetorch: {len(sites) + len(others)} finding(s) at " \
+           f"{sum(s.count for s in sites) + sum(e['count'] for e in others)} occurrence(s)"
+    if others:
+        processes = {pid for e in others for pid in e["pids"]} - {os.getpid()}
+        head += f", {len(others)} of them from {len(processes)} other process(es) of this run"
+    if ranks:
+        head += f"; {len(ranks)} more from other ranks so far (in their summaries and the JSON report)"
+    lines = [head]
     for s in sites:
         text = s.message.splitlines()[0].removeprefix(s.code).strip()
         lines.append(f"  {s.code} {s.filename}:{s.lineno} (x{s.count}): {text}")
+    for e in others:
+        text = e["message"].splitlines()[0].removeprefix(e["code"]).strip()
+        where = ", ".join(f"rank {r}" for r in e["ranks"]) if e.get("ranks") else \
+            ", ".join(f"pid {p}" for p in e["pids"])
+        lines.append(f"  {e['code']} {e['file']}:{e['line']} (x{e['count']}, {where}): {text}")
     return "\n".join(lines)
 
 
 def write_json(path: str) -> None:
-    """Every finding as a JSON list (``[]`` when there is none)."""
+    """Every finding as a JSON list (``[]`` when there is none): this process's, merged with those of every other
+    process of the run when there is a run directory."""
+    if _run.directory() is not None:
+        _run.write_report(path)
+        return
     data: list[dict[str, Any]] = [
         {"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message}
         for s in findings() if not s.suppressed
@@ -396,8 +445,15 @@ def exit_summary() -> None:
     """At exit: write the JSON report when asked (``[]`` when nothing was found; strict mode's findings too), then
     print the summary on stderr (not in an interactive session). A report that cannot be written says so."""
     try:
+        for site in list(_sites.values()):  # each site's final count, for the run's report
+            if not site.suppressed and site.count > 1:
+                _run.record(site.code, site.filename, site.lineno, site.message, site.count)
         cfg = _config.current
+        if not _run.owner():  # a child or worker of the run: the process that owns it reports
+            _run.finish()
+            return
         if cfg.report is False:
+            _run.finish()
             return
         if isinstance(cfg.report, str):
             try:
@@ -405,10 +461,15 @@ def exit_summary() -> None:
             except (OSError, ValueError) as exc:
                 print(f"safetorch: SAFETORCH_REPORT={cfg.report!r}: the JSON report could not be written "
                       f"({type(exc).__name__}: {exc}); the summary follows.", file=sys.stderr)
-        if not any(shown_here(s) and not s.suppressed for s in _sites.values()):
+        others = _from_others()
+        mine = any((shown_here(s) or _only_here(s)) and not s.suppressed for s in _sites.values())
+        if not mine and not (others and not _run.torchrun()):
+            _run.finish()
             return
         if hasattr(sys, "ps1") or sys.flags.interactive or summary_by_host:
+            _run.finish()
             return
-        print(format_summary(), file=sys.stderr)
+        print(format_summary(others), file=sys.stderr)
+        _run.finish()
     except Exception:
         pass

@@ -61,6 +61,8 @@ def test_exit_summary_and_json(tmp_path: os.PathLike[str]) -> None:
     assert f"  ST001 {script}:5 (x3): x.double() returns a copy" in proc.stderr
     with open(report) as fh:
         data = json.load(fh)
+    pids = data[0].pop("pids")  # the processes of the run that reported it: this one
+    assert len(pids) == 1 and isinstance(pids[0], int)
     assert data == [{"code": "ST001", "file": script, "line": 5, "count": 3, "message": data[0]["message"]}]
     assert data[0]["message"].startswith("ST001 x.double()")
     silent = run_python(f"import runpy; runpy.run_path({script!r}, run_name='__main__')",
