@@ -857,8 +857,11 @@ class _RegisterHook(MethodPatch):
     @staticmethod
     def calling(wrapped: Any, name: str) -> Any:
         def register_hook(*args: Any, **kwargs: Any) -> Any:
-            for site in _thread.watching:
-                site.needs_grad("autograd inside its forward")
+            # torch's own hooks in a forward (FSDP2's post-backward hooks on its outputs) need no graph of it; the
+            # program's and its libraries' do (Grad-CAM, saliency).
+            if _thread.watching and not is_internal(sys._getframe(1).f_code):
+                for site in _thread.watching:
+                    site.needs_grad("autograd inside its forward")
             return wrapped(*args, **kwargs)
 
         return register_hook
