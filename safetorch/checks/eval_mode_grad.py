@@ -5,39 +5,45 @@ validation loop without ``torch.no_grad()`` keeps every activation for a backwar
 opposite mistake is as common and as silent: a model that is still in eval mode while it trains, because a library
 returned it that way (``from_pretrained``) or ``model.train()`` was forgotten after a validation pass (ST008).
 
-What happens, per call site (the user's line, the call instruction on it, and the module):
+What happens, per call site (the user's line, the call instruction on it, and the module), for top-level calls only
+(a module called from inside another module's forward, through ``net(x)`` or a direct ``net.forward(x)``, is never
+a site, and this is known before any site is looked up):
 1. The first eval-mode forward at a site runs **exactly as written**, with grad, and is watched: does its output's
    graph reach a leaf that is not a parameter of this module (an input at any depth, another model's parameters, a
-   global tensor)? Does the forward itself call ``torch.autograd.grad``/``backward`` or register a tensor hook? Does
-   a backward later go through any node of its graph (its output, or activations a hook captured)?
-2. At the next forward there, the site is decided. If anything above was seen, the site needs gradients and is never
-   touched again. Otherwise it is an evaluation: ST003 is reported, and from this forward on the site runs under
-   ``no_grad`` (except a forward whose inputs require grad, at any depth, which runs as written).
-3. When a backward reached such a forward and an optimizer step then updates parameters of that module that hold
-   gradients, ST008 is reported once at the forward's line, naming who put the module in eval mode.
-4. Should a backward still go through the watched graph of a site decided as an evaluation (its later forwards gave
-   no gradients), it fails with a `SafetorchError` that says so, instead of training on a silently partial gradient.
-   A "does not require grad" error right after one of our no_grad forwards says why when that forward's output is
-   still alive; otherwise torch's error keeps its type and message, with a note.
+   global tensor)? Does the forward itself call ``torch.autograd.grad``/``backward`` or register a tensor hook (torch's
+   own hooks, FSDP2's, do not count)? Does a backward later go through any node of its graph? An output with no graph
+   at all (a forward under its own no_grad, or returning numbers) leaves the site alone for good.
+2. Every later forward there runs as a non-reentrant activation checkpoint (`_checkpointed`): the program's numbers
+   and graph, without its activations; a backward that reaches one recomputes it, and the site runs as written from
+   then on. The site is an evaluation (ST003, at each forward) once the watched graph died unused — told by a weak
+   reference to the hook object its nodes hold; while that graph lives (a rollout buffer) nothing is decided.
+3. ST008: when a backward reached a forward of such a module, and an optimizer step updates its parameters in eval
+   mode, it is reported at the forward's line if the eval mode is a mistake: a library's ``eval()`` (a loader), or the
+   program's own ``eval()`` followed by an evaluation. A loader's model first called inside a new training parent
+   (``get_peft_model(from_pretrained(...))``) is reported at the line that called the outermost module.
 
 Design rules:
 - Nothing global on the forward path: the module the program puts in eval mode (its ``eval()`` called directly, not
   a child that a parent's ``train()`` recursed into) gets a guard in its own ``__dict__`` under ``_call_impl``, which
-  ``Module._wrapped_call_impl`` looks up on the instance. Calling through the guard keeps torch's hook-free fast path,
-  and grad mode is restored in a ``finally``: KeyboardInterrupt and SystemExit included. A guarded module called from
-  inside another module's forward (frozen BatchNorm in a training net) loses its guard at that first call: a training
-  parent decides for its children. ``train()``, or ``training`` set back to True by assignment, drops the guard.
+  ``Module._wrapped_call_impl`` looks up on the instance. Calling through the guard keeps torch's hook-free fast path
+  and changes no global state (grad mode is never switched). A guarded module called from inside another module's
+  forward (frozen BatchNorm in a training net) loses its guard at that first call: a training parent decides for its
+  children. ``train()``, or ``training`` set back to True by assignment, drops the guard.
+- The guard belongs to its module and never leaves it: found in a copy of the module's ``__dict__`` (a clone), it
+  runs the clone's own forward; ``Module.__reduce_ex__`` reduces without it (pickle, ``torch.save``, ``copy.copy``,
+  ``fx.GraphModule``'s own ``__reduce__``), as do ``GraphModule.__reduce_package__`` and ``Module.compile``; a model
+  saved with safetorch holds the bytes of the same model saved without it. ``copy.deepcopy`` gives the copy its own
+  guard; DataParallel replicas are made without it.
 - Costs are O(1) in the number of eval-mode modules: grad-mode switches and optimizer steps touch no module; ST008's
-  step hook exists only while a site waits for its first step.
-- The guard never reaches a pickle: ``Module.__getstate__`` leaves it out (except for ``copy.deepcopy``, whose copy
-  gets its own guard), so a model saved with safetorch holds the bytes of the same model saved without it. DataParallel
-  replicas are made without it (their forwards run inside DataParallel's).
+  step hook exists only while a site waits for its step, and goes at a backward (never from inside torch's iteration
+  over its step hooks).
 - Explicit grad mode (``with torch.enable_grad()``, ``with torch.set_grad_enabled(True)``, ``inference_mode(False)``,
   each also as a decorator) switches the check off for its scope only, per thread, as torch's grad mode is. The
   function form ``torch.set_grad_enabled(True)`` is not a scope: Lightning's fit loop calls it, and it leaves nothing.
-- tracing (``torch.jit.trace``), ``torch.compile``/export and ``torch.func`` transforms pass straight through.
+- Tracing (``torch.jit.trace``, ``torch.fx``), ``torch.compile``/export, ``torch.func`` transforms, dispatch modes
+  (``FlopCounterMode``) and profilers pass straight through: they neither watch nor decide.
 - All state lives in one `_Sites` object that `reset` and `uninstall` clear; a per-line
-  ``# safetorch: ignore[ST003]`` leaves that site alone.
+  ``# safetorch: ignore[ST003]``, or a warnings filter that names ST003, leaves that site alone.
 """
 
 from __future__ import annotations
