@@ -144,6 +144,9 @@ class MethodPatch(property):
         call = cls.calling(wrapped, name)
         call.__name__ = name  # a bound method pickles as getattr(tensor, its function's __name__)
         call.__qualname__ = f"{getattr(owner, '__qualname__', name)}.{name}"
+        # `inspect.signature(x.register_hook)` and `help(x.float)` read torch's method, not `(*args, **kwargs)`
+        call.__wrapped__ = wrapped  # type: ignore[attr-defined]
+        call.__doc__ = getattr(wrapped, "__doc__", None)
         namespace = {"__call__": staticmethod(call), "__slots__": (), "__module__": cls.__module__}
         kind = type(cls.__name__, (cls,), namespace)
         return kind(wrapped, owner, name, call)  # type: ignore[no-any-return]
@@ -153,6 +156,7 @@ class MethodPatch(property):
         self.__wrapped__ = wrapped
         self.__name__ = name
         self.__qualname__ = f"{getattr(owner, '__qualname__', name)}.{name}"
+        self.__objclass__ = getattr(wrapped, "__objclass__", owner)  # the class the method is defined on
         self._st_owner = owner
 
     def __eq__(self, other: object) -> bool:

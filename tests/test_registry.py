@@ -228,3 +228,17 @@ def test_a_plain_replacement_is_the_first_layer_or_none() -> None:
     assert Owner().method() == 11 and is_patch(plain) and plain.__wrapped__ is not plain
     reg.restore()
     assert Owner().method() == 1 and not is_patch(Owner.__dict__["method"])
+
+
+def test_patched_tensor_methods_introspect_as_torchs() -> None:
+    """``inspect.signature`` of a bound patched method, its docs and ``__objclass__`` are torch's own."""
+    import inspect
+
+    x = torch.ones(2, requires_grad=True)
+    patched = (inspect.signature(x.register_hook), x.float.__doc__, torch.Tensor.float.__objclass__)
+    safetorch.uninstall()
+    try:
+        plain = (inspect.signature(x.register_hook), x.float.__doc__, torch.Tensor.float.__objclass__)
+    finally:
+        safetorch.install()
+    assert patched == plain and str(patched[0]) == "(hook)"

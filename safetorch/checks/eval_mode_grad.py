@@ -90,7 +90,6 @@ _wrapped_call_impl_code = torch.nn.Module._wrapped_call_impl.__code__
 _module_call_impl = torch.nn.Module._call_impl
 _is_compiling = is_compiling
 _is_grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = torch._C._set_grad_enabled
 _tracing_state = torch._C._get_tracing_state
 _functorch = getattr(torch._C, "_functorch", None)
 _peek_interpreter = getattr(_functorch, "peek_interpreter_stack", None) or (lambda: None)
