@@ -103,3 +103,47 @@ def test_strict_mode_raises_before_clipping() -> None:
         CLIP_NORM(model.parameters(), 1.0)
     assert (info.value.code, info.value.lineno) == ("ST012", line)
     assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_limit_scaled_on_purpose_stays_silent() -> None:
+    """``clip_grad_norm_(params, max_norm * scaler.get_scale())``: a limit on the scaled gradients, by design."""
+    model, opt, scaler, x = _setup()
+    with findings() as got:
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0 * scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+    assert got == []
+
+
+def test_an_fp32_critics_own_gradients_clipped_beside_a_scaled_actor_stay_silent() -> None:
+    """The actor's loss is scaled; the critic trains in fp32 with its own loss and clips its own gradients."""
+
+    def program() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        actor, critic = nn.Linear(4, 2), nn.Linear(4, 1)
+        a_opt, c_opt = torch.optim.SGD(actor.parameters(), lr=0.1), torch.optim.SGD(critic.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        x = torch.randn(8, 4)
+        for _ in range(3):
+            a_opt.zero_grad()
+            scaler.scale(actor(x).pow(2).mean()).backward()
+            c_opt.zero_grad()
+            critic(x).pow(2).mean().backward()
+            torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)  # unscaled: the critic's own
+            c_opt.step()
+            scaler.unscale_(a_opt)
+            torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+            scaler.step(a_opt)
+            scaler.update()
+        return [p.detach().clone() for p in [*actor.parameters(), *critic.parameters()]]
+
+    with findings() as got:
+        on = program()
+    assert got == []
+    safetorch.uninstall()
+    off = program()
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))

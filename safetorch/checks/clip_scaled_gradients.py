@@ -9,7 +9,10 @@ shrinks every gradient, or ``clip_grad_value_`` clips scaled values — training
 their last update; ``clip_grad_norm_`` and ``clip_grad_value_`` (in ``torch.nn.utils`` and
 ``torch.nn.utils.clip_grad``) look at those scalers only: one whose ``unscale_`` (or ``step``) ran for no optimizer
 since means the gradients are still scaled. Silent: ``unscale_`` first; a disabled scaler (``enabled=False``); bf16
-autocast without a scaler; clipping outside a scaled step. A program with several optimizers that unscales one and
+autocast without a scaler; clipping outside a scaled step; a limit scaled on purpose (``max_norm *
+scaler.get_scale()``: a limit at least a sixteenth of the scale); clipping parameters that no scaled loss reached (an
+fp32 critic's own gradients while the actor's loss is scaled: the first `_WALKS` scaled losses of each scaler are
+walked, for the parameters they reach). A program with several optimizers that unscales one and
 clips another's gradients is not seen (the scaler has unscaled something). Cost: nothing without a GradScaler; with
 one, a wrapper on two calls per step and a look at a dict at each clip.
 """
@@ -47,15 +50,66 @@ RULE = Rule("ST012", "clip-scaled-gradients", ClipScaledGradientsWarning,
             "gradient clipping on AMP-scaled gradients before scaler.unscale_")
 
 _scaled: weakref.WeakSet[Any] = weakref.WeakSet()  # enabled scalers that scaled a loss since their last update()
+#: Per scaler: the parameters (by id) its first scaled losses reached, and how many losses were walked for them.
+_reached: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+_WALKS = 8
+_NODES = 100_000  # a walk that meets more autograd nodes knows nothing: every clip is then looked at
 
 
 def _scale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     try:
         if instance.is_enabled():
             _scaled.add(instance)
+            entry = _reached.setdefault(instance, [set(), 0])
+            if entry[1] < _WALKS and entry[0] is not None:
+                entry[1] += 1
+                entry[0] = _leaves(args[0] if args else kwargs.get("outputs"), entry[0])
     except Exception as exc:
         internal_error(CODE, exc)
     return wrapped(*args, **kwargs)
+
+
+def _leaves(outputs: Any, found: set[int]) -> set[int] | None:
+    """The ids of the leaf tensors (parameters) the outputs' graph reaches, added to ``found``; None: too large."""
+    tensors = [outputs] if isinstance(outputs, torch.Tensor) else [t for t in (outputs or ()) if
+                                                                    isinstance(t, torch.Tensor)]
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen = set(stack)
+    while stack:
+        if len(seen) > _NODES:
+            return None
+        node = stack.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            found.add(id(variable))
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return found
+
+
+def _limit(function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
+    value = args[1] if len(args) > 1 else kwargs.get("max_norm" if function == "clip_grad_norm_" else "clip_value")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _clips_scaled(scaler: Any, function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this clip is of gradients the scaler scaled, with a limit that is not scaled too."""
+    limit = _limit(function, args, kwargs)
+    if limit is not None and limit * 16 >= scaler.get_scale():
+        return False  # `max_norm * scaler.get_scale()`: a limit on the scaled gradients, on purpose
+    entry = _reached.get(scaler)
+    reached = entry[0] if entry is not None else None
+    if not reached:
+        return True  # nothing known: look at every clip, as before
+    params = args[0] if args else kwargs.get("parameters")  # a list by now (the wrapper read a generator once)
+    params = [params] if isinstance(params, torch.Tensor) else (params or [])
+    return any(id(p) in reached for p in params)
 
 
 def _update(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -83,7 +137,12 @@ def _clip(function: str) -> Any:
         __tracebackhide__ = True  # noqa: F841
         if _scaled:
             try:
-                scaler = next((s for s in list(_scaled) if _still_scaled(s)), None)
+                params = args[0] if args else kwargs.get("parameters")
+                if params is not None and not isinstance(params, torch.Tensor):  # read a generator once
+                    params = list(params)
+                    args, kwargs = ((params, *args[1:]), kwargs) if args else (args, {**kwargs, "parameters": params})
+                scaler = next((s for s in list(_scaled) if _still_scaled(s) and
+                               _clips_scaled(s, function, args, kwargs)), None)
                 if scaler is not None:
                     frame = user_frame(sys._getframe(1))
                     if frame is not None:
@@ -107,3 +166,4 @@ def install(registry: Registry) -> None:
 
 def uninstall() -> None:
     _scaled.clear()
+    _reached.clear()
