@@ -110,6 +110,7 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
                     _teardown(code)
                 finally:
                     _report.internal_error(code, exc, "could not be installed")
+        _rebind_early_imports()
         if _CORE not in registry.groups():
             if not wrapt_c_extension():
                 warnings.warn("safetorch: wrapt's C extension is not in use (WRAPT_DISABLE_EXTENSIONS, or a build "
@@ -121,6 +122,39 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
         if not _atexit_registered:
             atexit.register(_report.exit_summary)
             _atexit_registered = True
+
+
+def _rebind_early_imports() -> None:
+    """Names the program bound from torch before safetorch was installed (``from torch.nn.utils import
+    clip_grad_norm_`` above ``import safetorch``) still hold torch's unchecked functions: in the program's own
+    modules (``__main__`` and modules outside the installed libraries), rebind them to the checked ones, through the
+    registry (restored with the check that patched the function, and by `uninstall`)."""
+    try:
+        functions = {id(original): (original, installed, group)
+                     for original, installed, group in registry.module_functions()}
+        if not functions:
+            return
+        from .checks.eval_mode_grad import _library
+
+        for name, module in list(sys.modules.items()):
+            if not isinstance(module, ModuleType) or name.startswith(("torch", "safetorch", "wrapt")):
+                continue
+            code_file = getattr(module, "__file__", None)
+            if name != "__main__" and (code_file is None or _library(_FileCode(code_file))):
+                continue
+            for attribute, value in list(vars(module).items()):
+                entry = functions.get(id(value))
+                if entry is not None and entry[0] is value:
+                    registry.set(module, attribute, entry[1], entry[2])
+    except Exception as exc:  # a module with an odd __dict__ must not stop the install
+        _report.internal_error("core", exc, "could not look at names imported before safetorch")
+
+
+class _FileCode:
+    """What `_library` reads of a code object: its file name."""
+
+    def __init__(self, filename: str) -> None:
+        self.co_filename = filename
 
 
 def uninstall() -> None:

@@ -361,6 +361,22 @@ class Registry:
                         outer.installed.__wrapped__ = rec.target
                 # else someone else replaced our patch since: theirs stays
 
+    def module_functions(self) -> list[tuple[Any, Any, str]]:
+        """For each patched attribute of a module (``torch.nn.utils.clip_grad_norm_``): (torch's own object, what
+        stands there now, the group of the outermost layer)."""
+        with self._lock:
+            by_attribute: dict[tuple[int, str], list[_Record]] = {}
+            for rec in self._records.values():
+                if isinstance(rec.owner, types.ModuleType) and rec.had:
+                    by_attribute.setdefault((id(rec.owner), rec.name), []).append(rec)
+            found = []
+            for recs in by_attribute.values():
+                original = next((r.previous for r in recs if not is_patch(r.previous)), None)
+                outer = next((r for r in recs if getattr(r.owner, r.name, None) is r.installed), None)
+                if original is not None and outer is not None:
+                    found.append((original, outer.installed, outer.group))
+            return found
+
     def groups(self) -> set[str]:
         return {rec.group for rec in self._records.values()}
 

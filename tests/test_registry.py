@@ -242,3 +242,28 @@ def test_patched_tensor_methods_introspect_as_torchs() -> None:
     finally:
         safetorch.install()
     assert patched == plain and str(patched[0]) == "(hook)"
+
+
+def test_functions_the_program_imported_before_safetorch_are_checked_and_restored() -> None:
+    code = r"""
+import torch
+from torch.nn.utils import clip_grad_norm_
+from torch.nn.functional import dropout
+from torch.autograd import backward
+import safetorch
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+opt.zero_grad()
+scaler.scale(model(torch.randn(3, 4)).pow(2).mean()).backward()
+clip_grad_norm_(model.parameters(), 1.0)
+backward((torch.ones(1, requires_grad=True) * float("nan")).sum())
+print("checked", [s.code for s in safetorch._report.findings()])
+safetorch.uninstall()
+print("restored", clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_,
+      dropout is torch.nn.functional.dropout, backward is torch.autograd.backward)
+"""
+    proc = run_python(code, env={"SAFETORCH_REPORT": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert "checked ['ST012', 'ST006']" in proc.stdout
+    assert "restored True True True" in proc.stdout
