@@ -147,8 +147,10 @@ class MethodPatch(property):
         # `inspect.signature(x.register_hook)` and `help(x.float)` read torch's method, not `(*args, **kwargs)`
         call.__wrapped__ = wrapped  # type: ignore[attr-defined]
         call.__doc__ = getattr(wrapped, "__doc__", None)
-        namespace = {"__call__": staticmethod(call), "__slots__": (), "__module__": cls.__module__}
-        kind = type(cls.__name__, (cls,), namespace)
+        # `help(torch.Tensor.float)` names the object's class: torch's name for the method.
+        namespace = {"__call__": staticmethod(call), "__slots__": (), "__module__": getattr(owner, "__module__", None)
+                     or cls.__module__, "__qualname__": call.__qualname__}
+        kind = type(name, (cls,), namespace)
         return kind(wrapped, owner, name, call)  # type: ignore[no-any-return]
 
     def __init__(self, wrapped: Any, owner: object, name: str, call: Callable[..., Any]) -> None:
@@ -157,6 +159,7 @@ class MethodPatch(property):
         self.__name__ = name
         self.__qualname__ = f"{getattr(owner, '__qualname__', name)}.{name}"
         self.__objclass__ = getattr(wrapped, "__objclass__", owner)  # the class the method is defined on
+        self.__doc__ = getattr(wrapped, "__doc__", None)  # help() reads the instance's own docs
         self._st_owner = owner
 
     def __eq__(self, other: object) -> bool:

@@ -242,6 +242,10 @@ def test_patched_tensor_methods_introspect_as_torchs() -> None:
     finally:
         safetorch.install()
     assert patched == plain and str(patched[0]) == "(hook)"
+    import pydoc
+
+    shown = pydoc.render_doc(torch.Tensor.float)
+    assert "self.float()`` is equivalent to ``self.to(torch.float32)``" in shown and "safetorch" not in shown
 
 
 def test_functions_the_program_imported_before_safetorch_are_checked_and_restored() -> None:
