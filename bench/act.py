@@ -9,7 +9,8 @@ runs, and what an act of ``no_grad`` would run):
 
 - time: the median of interleaved repeats of each way (the ratios, not the absolute figures, are the result);
 - saved bytes: the peak of the tensors kept for backward, alive at once (``bench.memory.saved_bytes``);
-- instructions (``--instructions``, needs valgrind): callgrind counts of 20 forwards each way, one intra-op thread.
+- instructions (``--instructions``, needs valgrind): callgrind counts per forward, each way (20 forwards of the tiny
+  MLP, 2 of the small CNN), one intra-op thread.
 """
 
 from __future__ import annotations
@@ -90,8 +91,10 @@ from bench.act import _model, forward
 model, x = _model(sys.argv[1])
 run = forward(sys.argv[2], model, x)
 run(); run()
-functools.reduce(lambda acc, _: run(), range(20), None)
+functools.reduce(lambda acc, _: run(), range(int(sys.argv[3])), None)
 """
+
+FORWARDS = {"tiny_mlp": 20, "small_cnn": 2}
 
 
 def instructions(name: str) -> dict[str, int]:
@@ -100,12 +103,13 @@ def instructions(name: str) -> dict[str, int]:
            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     for way in WAYS:
         proc = subprocess.run(["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce",
-                               "--callgrind-out-file=/dev/null", sys.executable, "-c", _PROGRAM, name, way],
+                               "--callgrind-out-file=/dev/null", sys.executable, "-c", _PROGRAM, name, way,
+                               str(FORWARDS[name])],
                               capture_output=True, text=True, env=env)
         match = re.search(r"I\s+refs:\s+([\d,]+)", proc.stderr)
         if proc.returncode != 0 or match is None:
             raise RuntimeError(proc.stderr[-2000:])
-        counts[way] = round(int(match.group(1).replace(",", "")) / 20)
+        counts[way] = round(int(match.group(1).replace(",", "")) / FORWARDS[name])
     return counts
 
 
