@@ -119,6 +119,25 @@ class Patch(wrapt.FunctionWrapper):
         return self
 
 
+class _Absent:
+    """A class attribute that reads as missing: ``hasattr(kind, "__set__")`` is False while the property's setter slot
+    stays (assigning ``x.float = f`` raises as before)."""
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        raise AttributeError("absent")
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise AttributeError("read-only")
+
+
+class _MethodPatchType(type):
+    """The type of each patch's class: ``inspect.ismethoddescriptor`` (and so ``inspect.isroutine``) reads a patched
+    method as the method descriptor it replaces, since its class seems to have ``__get__`` and no ``__set__``."""
+
+    __set__ = _Absent()
+    __delete__ = _Absent()
+
+
 class MethodPatch(property):
     """The replacement of a tensor method (see the module docstring). A subclass defines `calling`, which returns the
     plain function that stands in for the method: ``call(*args, **kwargs)``, where ``args[0]`` is the tensor, whether
@@ -130,7 +149,8 @@ class MethodPatch(property):
     call itself is a plain function's, not a ``__call__`` slot's. ``torch.Tensor.float(x)`` calls the patch object,
     whose class (one per patch) has ``call`` as its ``__call__``: the same frames either way. What a property changes,
     and nothing found relies on: assigning ``x.float = ...`` on one tensor raises `AttributeError` (a method could be
-    shadowed in the instance's ``__dict__``), and ``inspect.ismethoddescriptor(torch.Tensor.float)`` is False."""
+    shadowed in the instance's ``__dict__``). ``inspect.ismethoddescriptor`` and ``inspect.isroutine`` answer as for
+    torch's method (`_MethodPatchType`)."""
 
     __safetorch_patch__ = True
 
@@ -150,7 +170,7 @@ class MethodPatch(property):
         # `help(torch.Tensor.float)` names the object's class: torch's name for the method.
         namespace = {"__call__": staticmethod(call), "__slots__": (), "__module__": getattr(owner, "__module__", None)
                      or cls.__module__, "__qualname__": call.__qualname__}
-        kind = type(name, (cls,), namespace)
+        kind = _MethodPatchType(name, (cls,), namespace)
         return kind(wrapped, owner, name, call)  # type: ignore[no-any-return]
 
     def __init__(self, wrapped: Any, owner: object, name: str, call: Callable[..., Any]) -> None:

@@ -235,10 +235,12 @@ def test_patched_tensor_methods_introspect_as_torchs() -> None:
     import inspect
 
     x = torch.ones(2, requires_grad=True)
-    patched = (inspect.signature(x.register_hook), x.float.__doc__, torch.Tensor.float.__objclass__)
+    patched = (inspect.signature(x.register_hook), x.float.__doc__, torch.Tensor.float.__objclass__,
+               inspect.isroutine(torch.Tensor.float), inspect.ismethoddescriptor(torch.Tensor.float))
     safetorch.uninstall()
     try:
-        plain = (inspect.signature(x.register_hook), x.float.__doc__, torch.Tensor.float.__objclass__)
+        plain = (inspect.signature(x.register_hook), x.float.__doc__, torch.Tensor.float.__objclass__,
+                 inspect.isroutine(torch.Tensor.float), inspect.ismethoddescriptor(torch.Tensor.float))
     finally:
         safetorch.install()
     assert patched == plain and str(patched[0]) == "(hook)"
