@@ -7,8 +7,8 @@ around the loop.
 
 The validation loop is the usual one, ``out = model(x)`` per batch: without safetorch, the previous batch's graph is
 still bound to ``out`` while the next forward builds its own, so two graphs are alive at the peak. With safetorch the
-first forward at that line is watched (run as written, with its graph) and the next ones run under no_grad: one
-graph at the peak, the first batch's, freed at the next batch.
+first forward at that line is watched (run as written, with its graph) and the next ones are checkpointed (their
+activations are not kept): one graph at the peak, the first batch's, freed at the next batch.
 """
 
 from __future__ import annotations
