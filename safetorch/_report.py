@@ -171,8 +171,8 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         shown_as = _notebook.cell_name(filename) or filename  # `Cell In[5]` for a Jupyter cell
         with _lock:
             site = _sites.setdefault(key, Site(code, shown_as, lineno, text, rank=_RANK if _WORLD > 1 else None))
-        if not _run.owner() and _run.reported_elsewhere(code, site.filename, lineno):
-            site.shown = True  # a worker of the run: the process that reported it first has shown it
+        if not _run.torchrun() and not _run.claim(code, site.filename, lineno):
+            site.shown = True  # another process of the run (a worker, the parent) shows this site's warning
         _run.record(code, site.filename, lineno, site.message, 1)  # written now: a child may end by os._exit
     rule = _rule(code)
     if strict:  # every rank raises; the site stays in the summary and the JSON report

@@ -68,7 +68,7 @@ def start() -> None:
 
 def _after_fork_in_child() -> None:
     """A forked child keeps the parent's patches and reports into the same run, as a process of its own."""
-    _state.update(owner=False, pid=os.getpid(), part=None)
+    _state.update(owner=False, pid=os.getpid(), part=None, claimed=[])
 
 
 if hasattr(os, "register_at_fork"):
@@ -123,6 +123,9 @@ def forget() -> None:
             with contextlib.suppress(OSError):
                 part.seek(0)
                 part.truncate()
+        for name in _state.pop("claimed", []):  # the warnings this process showed may be shown again
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(_state["dir"], name))
 
 
 def _lines() -> Iterator[dict[str, Any]]:
@@ -143,6 +146,23 @@ def _lines() -> Iterator[dict[str, Any]]:
                         continue
         except OSError:
             continue
+
+
+def claim(code: str, filename: str, lineno: int) -> bool:
+    """Whether this process is the first of the run to show this site's warning: it creates the site's marker file
+    (an exclusive create, atomic between processes). True without a run directory."""
+    path = _state["dir"]
+    if path is None:
+        return True
+    name = hashlib.sha1(f"{code}|{filename}|{lineno}".encode()).hexdigest()[:24] + ".shown"
+    try:
+        os.close(os.open(os.path.join(path, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        _state.setdefault("claimed", []).append(name)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return True  # the directory is gone: show it
 
 
 def reported_elsewhere(code: str, filename: str, lineno: int) -> bool:
