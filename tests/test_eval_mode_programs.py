@@ -442,3 +442,21 @@ def test_a_class_with_its_own_call_has_its_callers_lines_as_sites() -> None:
             model(torch.randn(4, 3)).argmax(1); line = lineno()  # noqa: E702
     assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
     assert str(got[0].message).startswith("ST003 model (_OwnCall)")
+
+
+def test_st008_when_the_evaluation_comes_after_the_first_training_steps() -> None:
+    """The program's eval(), two training steps (a choice, so far), a validation under no_grad, then training goes
+    on without train(): the forgotten train() after validation."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with findings() as got:
+        model.eval()
+        for step in range(6):
+            if step == 2:
+                with torch.no_grad():
+                    model(torch.randn(4, 3))
+            loss = model(torch.randn(4, 3)).pow(2).mean(); line = lineno()  # noqa: E702
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeTrainingWarning, line)]

@@ -514,9 +514,8 @@ def _backward_reached(site: _Site) -> None:
         site.backward = True
         module = site.module()
         if TRAINING_CODE in _codes and module is not None:
-            due, origin = _st008_evidence(module)
-            if due:
-                _arm_st008(site, origin)
+            # Whether it is due is asked again at each step it waits for: the evidence may come later (an evaluation).
+            _arm_st008(site, _st008_evidence(module)[1])
 
 
 def _st008_evidence(module: torch.nn.Module) -> tuple[bool, Origin | None]:
