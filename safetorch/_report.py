@@ -178,7 +178,7 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
     if strict:  # every rank raises; the site stays in the summary and the JSON report
         site.shown = True
         raise SafetorchError(site.message, code=code, filename=site.filename, lineno=lineno)
-    if site.shown and not strict:
+    if site.shown:  # shown by another process of the run
         return
     if _RANK != 0 and not rule.per_rank:
         site.shown = True
