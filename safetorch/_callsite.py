@@ -22,8 +22,8 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded", "method_call",
-           "quoted_call", "source_line", "trim"]
+__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded",
+           "method_call", "quoted_call", "source_line", "trim"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
 _NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
@@ -318,3 +318,24 @@ def method_call(frame: FrameType, method: str, nargs: int) -> tuple[str | None, 
     target = node.args[0] if len(node.args) == nargs + 1 else node.func.value
     receiver = ast.unparse(target) if _simple_chain(target) else None
     return receiver, " ".join((call_source(frame) or source_line(frame)).split())
+
+
+class Spot:
+    """A frame's place (code object, instruction, globals) kept without the frame, for a finding reported later:
+    taken in O(1), where the frame's ``f_lineno`` walks its code's line table. It answers what `method_call`,
+    `call_source` and `safetorch._report.report_at` read of a frame."""
+
+    __slots__ = ("f_code", "f_lasti", "f_globals")
+
+    def __init__(self, frame: FrameType) -> None:
+        self.f_code, self.f_lasti, self.f_globals = frame.f_code, frame.f_lasti, frame.f_globals
+
+    @property
+    def f_lineno(self) -> int:
+        line = 0
+        for start, end, number in self.f_code.co_lines():
+            if number is not None:
+                line = number
+            if start <= self.f_lasti < end:
+                break
+        return line or self.f_code.co_firstlineno

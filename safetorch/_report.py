@@ -443,7 +443,15 @@ def write_json(path: str) -> None:
 
 def exit_summary() -> None:
     """At exit: write the JSON report when asked (``[]`` when nothing was found; strict mode's findings too), then
-    print the summary on stderr (not in an interactive session). A report that cannot be written says so."""
+    print the summary on stderr (not in an interactive session). A report that cannot be written says so. The
+    checks still in flight on a device are read first (waiting for it): a NaN loss of the last step is in the summary.
+    In strict mode such a finding has nothing left to stop: the summary shows it."""
+    try:
+        from . import _deferred
+
+        _deferred.poll(wait=True)
+    except Exception:
+        pass
     try:
         for site in list(_sites.values()):  # each site's final count, for the run's report
             if not site.suppressed and site.count > 1:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 import safetorch
-from safetorch import _losses, _report
+from safetorch import _deferred, _losses, _report
 from safetorch.checks import eval_mode_grad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,9 +29,18 @@ def _fresh_safetorch() -> Iterator[None]:
     eval_mode_grad.reset()
     _losses.reset()
     yield
+    _deferred.force_cpu(False)
     safetorch.install(strict=False, ignore=())
     _report.reset()
     eval_mode_grad.reset()
+
+
+@pytest.fixture
+def device_path() -> Iterator[None]:
+    """CPU tensors take the accelerator path (`safetorch._deferred`), on a fake device one check behind the host."""
+    _deferred.force_cpu(True, lag=1)
+    yield
+    _deferred.force_cpu(False)
 
 
 @contextlib.contextmanager
