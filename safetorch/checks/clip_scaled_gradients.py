@@ -14,7 +14,9 @@ scaler.get_scale()``: a limit at least a sixteenth of the scale); clipping param
 fp32 critic's own gradients while the actor's loss is scaled: the first `_WALKS` scaled losses of each scaler are
 walked, for the parameters they reach). A program with several optimizers that unscales one and
 clips another's gradients is not seen (the scaler has unscaled something). Cost: nothing without a GradScaler; with
-one, a wrapper on two calls per step and a look at a dict at each clip.
+one, a wrapper on two calls per step and a look at a dict at each clip; on an accelerator the scale is compared with
+the limit on the device and read through `safetorch._deferred` (the finding comes at a later backward, at the clip's
+line), never with ``get_scale()``, which would make the host wait for the device.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from typing import Any
 import torch.nn.utils
 import torch.nn.utils.clip_grad
 
-from .._callsite import quoted_call
+from .. import _deferred
+from .._callsite import Spot, quoted_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error, report, user_frame
+from .._report import internal_error, report_at, user_frame
 from .._rule import Rule
 
 try:
@@ -90,19 +93,19 @@ def _leaves(outputs: Any, found: set[int]) -> set[int] | None:
     return found
 
 
-def _limit(function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
+def _limit(function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | torch.Tensor | None:
+    """The clip's limit: a number, a 0-dim tensor (not read here: it may live on the device), or None."""
     value = args[1] if len(args) > 1 else kwargs.get("max_norm" if function == "clip_grad_norm_" else "clip_value")
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()) if value.numel() == 1 else None
     try:
         return float(value)
     except (TypeError, ValueError):
         return None
 
 
-def _clips_scaled(scaler: Any, function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether this clip is of gradients the scaler scaled, with a limit that is not scaled too."""
-    limit = _limit(function, args, kwargs)
-    if limit is not None and limit * 16 >= scaler.get_scale():
-        return False  # `max_norm * scaler.get_scale()`: a limit on the scaled gradients, on purpose
+def _reaches(scaler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether this clip is of parameters the scaler's losses reached (True when that is not known)."""
     entry = _reached.get(scaler)
     reached = entry[0] if entry is not None else None
     if not reached:
@@ -110,6 +113,26 @@ def _clips_scaled(scaler: Any, function: str, args: tuple[Any, ...], kwargs: dic
     params = args[0] if args else kwargs.get("parameters")  # a list by now (the wrapper read a generator once)
     params = [params] if isinstance(params, torch.Tensor) else (params or [])
     return any(id(p) in reached for p in params)
+
+
+def _decide(scaler: Any, limit: float | torch.Tensor | None, payload: tuple[str, Spot]) -> None:
+    """Compare the limit with the scale, a tensor on the scaler's device, through `safetorch._deferred`: read at once
+    on the CPU, once the device has computed it on an accelerator (``get_scale()`` would make the host wait)."""
+    scale = scaler._scale.detach().reshape(())
+    if isinstance(limit, torch.Tensor):
+        value = torch.stack((scale, limit.to(device=scale.device, dtype=scale.dtype)))
+        _deferred.check(value, _decided, payload, CODE)
+    else:
+        _deferred.check(scale, _decided, (*payload, limit), CODE)
+
+
+def _decided(value: Any, payload: tuple[Any, ...]) -> None:
+    scale, limit = value if isinstance(value, list) else (value, payload[2] if len(payload) > 2 else None)
+    if limit is not None and limit * 16 >= scale:
+        return  # `max_norm * scaler.get_scale()`: a limit on the scaled gradients, on purpose
+    function, spot = payload[0], payload[1]
+    report_at(CODE, spot.f_code.co_filename, spot.f_lineno, spot.f_globals,
+              lambda: _message(function, scale, quoted_call(spot, f"{function}(...)")))
 
 
 def _update(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -141,13 +164,11 @@ def _clip(function: str) -> Any:
                 if params is not None and not isinstance(params, torch.Tensor):  # read a generator once
                     params = list(params)
                     args, kwargs = ((params, *args[1:]), kwargs) if args else (args, {**kwargs, "parameters": params})
-                scaler = next((s for s in list(_scaled) if _still_scaled(s) and
-                               _clips_scaled(s, function, args, kwargs)), None)
+                scaler = next((s for s in list(_scaled) if _still_scaled(s) and _reaches(s, args, kwargs)), None)
                 if scaler is not None:
                     frame = user_frame(sys._getframe(1))
                     if frame is not None:
-                        shown = quoted_call(frame, f"{function}(...)")
-                        report(CODE, frame, lambda: _message(function, scaler.get_scale(), shown))
+                        _decide(scaler, _limit(function, args, kwargs), (function, Spot(frame)))
             except Exception as exc:  # strict-mode findings pass through internal_error
                 internal_error(CODE, exc)
         return wrapped(*args, **kwargs)
@@ -165,5 +186,6 @@ def install(registry: Registry) -> None:
 
 
 def uninstall() -> None:
+    _deferred.clear(CODE)
     _scaled.clear()
     _reached.clear()

@@ -55,7 +55,10 @@ def _wrapper(function: str) -> Any:
                 if code.co_argcount and code.co_varnames[0] == "self" and not is_internal(code):
                     module = caller.f_locals.get("self")
                     p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
-                    if isinstance(module, nn.Module) and not module.training and p != 0:
+                    # a tensor p is not read (on a device, reading it would make the host wait): such a call is not
+                    # looked at
+                    if isinstance(module, nn.Module) and not module.training and isinstance(p, (int, float)) \
+                            and p != 0:
                         shown = f"F.{function}(...)"
                         report(CODE, caller, lambda: _message(function, module, quoted_call(caller, shown, 80),
                                                               code.co_name))

@@ -17,8 +17,10 @@ change (``clip_grad_norm_``, ``GradScaler.unscale_``, DDP's averaging) — so th
 elements are all zero proves nothing (a reset would not change it): silent, and so is a chain whose predicted values
 are all zero at some backward (a GAN's discriminator loss can cancel the generator's step gradient exactly).
 
-Cost: nothing on the steps not looked at; on a watched interval a few 8-element tensor operations, and on CUDA one
-host synchronisation when the step decides (one step in 1024 after the first ones).
+Cost: nothing on the steps not looked at; on a watched interval a few 8-element tensor operations. The decision, a
+bool on the gradient's device, is read through `safetorch._deferred`: on an accelerator it never makes the host wait
+(the finding comes at a later backward, at the step's line). A watch and its finalizer are gone once its interval
+ends: nothing kept grows with the number of steps.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import torch
 from torch.optim import Optimizer
 from torch.utils.hooks import unserializable_hook
 
-from .. import _steps
+from .. import _deferred, _steps
+from .._callsite import Spot, method_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error
+from .._report import internal_error, report_at, user_frame
 from .._rule import Rule
 
 CODE = "ST011"
@@ -62,11 +65,15 @@ class _Watch:
     fired: int = 0
     broken: bool = False
     handle: Any = field(default=None, repr=False)
+    finalizer: Any = field(default=None, repr=False)
 
     def stop(self) -> None:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
+        if self.finalizer is not None:
+            self.finalizer.detach()  # else it keeps the watch (and its tensors) alive as long as the optimizer
+            self.finalizer = None
 
 
 _watches: weakref.WeakKeyDictionary[Optimizer, _Watch] = weakref.WeakKeyDictionary()
@@ -121,17 +128,26 @@ def _start(optimizer: Optimizer, step: int) -> None:
 
             watch.handle = p.register_hook(hook)
             _watches[optimizer] = watch
-            weakref.finalize(optimizer, watch.stop)  # an optimizer dropped mid-interval takes its hook with it
+            # an optimizer dropped mid-interval takes its hook with it
+            watch.finalizer = weakref.finalize(optimizer, watch.stop)
             return
 
 
-def _stale(watch: _Watch) -> bool:
-    """At the step after the watched one: does the gradient still carry the watched step's values?"""
+def _stale(watch: _Watch) -> torch.Tensor | None:
+    """At the step after the watched one: a bool tensor, on the gradient's device, True when the gradient still
+    carries the watched step's values; None when it is known not to."""
     param, grad = watch.param(), watch.grad()
     if watch.broken or not watch.fired or param is None or grad is None or param.grad is not grad:
-        return False
+        return None
     now = _head(grad)
-    return now is not None and bool(watch.ok & (now == watch.expected).all())
+    return None if now is None else watch.ok & (now == watch.expected).all()
+
+
+def _decided(stale: Any, spot: Spot) -> None:
+    """The device has computed the decision (at once on the CPU)."""
+    if stale:
+        name = method_call(spot, "step", 0)[0] or "optimizer"
+        report_at(CODE, spot.f_code.co_filename, spot.f_lineno, spot.f_globals, lambda: _message(name))
 
 
 def _message(name: str) -> str:
@@ -147,8 +163,10 @@ def _look(optimizer: Optimizer, step: int, caller: FrameType, more: bool) -> Non
         watch = _watches.pop(optimizer, None)
         if watch is not None:
             watch.stop()
-            if watch.step == step - 1 and _stale(watch):
-                _steps.report_step(CODE, caller, _message)
+            stale = _stale(watch) if watch.step == step - 1 else None
+            frame = user_frame(caller) if stale is not None else None
+            if frame is not None:
+                _deferred.check(stale, _decided, Spot(frame), CODE)
         if more:  # only when the next step is looked at too: a watch (and its hook) never outlives one step interval
             _start(optimizer, step)
     except Exception as exc:  # strict-mode findings pass through internal_error
@@ -161,6 +179,7 @@ def install(registry: Registry) -> None:
 
 def uninstall() -> None:
     _steps.unlisten(CODE)
+    _deferred.clear(CODE)
     for watch in list(_watches.values()):
         watch.stop()
     _watches.clear()
