@@ -1,0 +1,47 @@
+"""The accelerator path, run on CPU tensors: a training loop with every rule on never reads a device value (on a GPU,
+`bench/gpu.sh` runs the same loop under ``torch.cuda.set_sync_debug_mode("error")``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from .conftest import LIBRARIES, ROOT
+
+NOSYNC = os.path.join(ROOT, "bench", "nosync.py")
+
+
+def _nosync(deferred: bool, steps: int) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    env.update({"SAFETORCH_REPORT": "0", "PYTHONPATH": os.pathsep.join([ROOT, LIBRARIES])})
+    if deferred:
+        env["SAFETORCH_DEFERRED_CPU"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "bench.nosync", "--steps", str(steps)], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_a_loop_with_every_rule_on_never_reads_a_device_value_and_every_finding_is_at_its_line() -> None:
+    # 1100 correct steps first: the first steps of the optimizer and a sample window (1024 backwards) are looked at.
+    result = _nosync(deferred=True, steps=1100)
+    assert result["deferred_cpu"] is True
+    assert result["reads"] == []
+    lines = {code: marked[0] for code, marked in result["lines"].items()}  # type: ignore[union-attr]
+    with open(NOSYNC) as fh:  # ST013 is found in the forward that calls F.dropout, not where the module is called
+        lines["ST013"] = next(i for i, ln in enumerate(fh, 1) if re.search(r"F\.dropout\(x, 0\.5\)\)  # ST013", ln))
+    assert sorted(lines) == [f"ST{n:03d}" for n in range(1, 16)]
+    assert sorted(map(tuple, result["findings"])) == sorted(lines.items())  # type: ignore[arg-type]
+
+
+def test_the_recorder_sees_the_reads_of_the_cpu_path_inside_a_backward() -> None:
+    # The control: without the accelerator path, ST006 reads each CPU loss with item() (there it costs nothing), and
+    # the recorder sees it, although it runs inside torch.autograd.backward.
+    result = _nosync(deferred=False, steps=20)
+    assert result["deferred_cpu"] is False
+    assert any(r.startswith("item at non_finite_loss.py") and "_before_backward" in r
+               for r in result["reads"])  # type: ignore[union-attr]
+    assert any(r.startswith("tolist at _deferred.py") for r in result["reads"])  # type: ignore[union-attr]
