@@ -20,7 +20,12 @@ Design rules (from wrapt and dd-trace-py):
   recorded and restored exactly like a wrapt patch.
 - A wrapt-style wrapper on a *class* attribute (``Module.load_state_dict``, ``enable_grad.__enter__``) is put in
   place as a plain function too (`_adapter`), which calls the wrapper as wrapt would: it binds in C like the original
-  and stays one object. The module-level ones (``F.dropout``) are wrapt wrappers.
+  and stays one object.
+- The module-level functions a training step may call (``F.dropout``, which every ``nn.Dropout`` forward calls;
+  ``clip_grad_norm_``; ``torch.cuda.empty_cache``) are plain functions too (`Registry.replace`): a wrapt proxy costs
+  2.3-3x a plain call. A replacement that TorchScript may compile (``F.dropout``, called by scripted forwards) has
+  torch's globals (`with_globals_of`). `Registry.wrap` on a module makes a wrapt proxy: ``torch.autograd.grad`` and
+  ``legacy_get_string``, called a few times per step at most.
 - The tensor methods that every training step may call (ST001's conversions: ``x.to(device)``, ``x.float()``) are
   `MethodPatch` objects (`Registry.method`): one object per method, so ``torch.Tensor.float is torch.Tensor.float``,
   a `property` whose getter binds the replacement function in C, as a function attribute would. Counted under
@@ -50,7 +55,7 @@ from typing import Any
 
 import wrapt
 
-__all__ = ["MethodPatch", "Registry", "caller", "is_patch", "registry", "wrapt_c_extension"]
+__all__ = ["MethodPatch", "Registry", "caller", "is_patch", "registry", "with_globals_of", "wrapt_c_extension"]
 
 _MISSING = object()
 Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -255,6 +260,16 @@ def _name_after(function: Any, owner: object, name: str) -> Any:
         function.__qualname__ = f"{getattr(owner, '__qualname__', getattr(owner, '__name__', name))}.{name}"
     function.__safetorch_patch__ = True
     return function
+
+
+def with_globals_of(original: Any, function: Any) -> Any:
+    """``function`` (whose body reaches its helpers through its closure only) rebuilt with ``original``'s globals:
+    TorchScript, compiling a scripted forward's call of the replacement, reads torch's source (``__wrapped__``) and
+    resolves its names in the replacement's globals and closure, which must then be torch's module's."""
+    rebuilt = types.FunctionType(function.__code__, getattr(original, "__globals__", function.__globals__),
+                                 function.__name__, function.__defaults__, function.__closure__)
+    rebuilt.__kwdefaults__ = function.__kwdefaults__
+    return rebuilt
 
 
 def _adapter(target: Any, wrapper: Wrapper) -> Any:

@@ -155,34 +155,47 @@ def _message(function: str, scale: float, shown: str) -> str:
             f"unscale again)")
 
 
-def _clip(function: str) -> Any:
-    def wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        __tracebackhide__ = True  # noqa: F841
-        if _scaled:
-            try:
-                params = args[0] if args else kwargs.get("parameters")
-                if params is not None and not isinstance(params, torch.Tensor):  # read a generator once
-                    params = list(params)
-                    args, kwargs = ((params, *args[1:]), kwargs) if args else (args, {**kwargs, "parameters": params})
-                scaler = next((s for s in list(_scaled) if _still_scaled(s) and _reaches(s, args, kwargs)), None)
-                if scaler is not None:
-                    frame = user_frame(sys._getframe(1))
-                    if frame is not None:
-                        _decide(scaler, _limit(function, args, kwargs), (function, Spot(frame)))
-            except Exception as exc:  # strict-mode findings pass through internal_error
-                internal_error(CODE, exc)
-        return wrapped(*args, **kwargs)
+def _look(function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A clip while a scaler has scaled a loss: is it of still-scaled gradients? Returns the arguments to call torch
+    with (a generator of parameters is read once, into a list)."""
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        params = args[0] if args else kwargs.get("parameters")
+        if params is not None and not isinstance(params, torch.Tensor):  # read a generator once
+            params = list(params)
+            args, kwargs = ((params, *args[1:]), kwargs) if args else (args, {**kwargs, "parameters": params})
+        scaler = next((s for s in list(_scaled) if _still_scaled(s) and _reaches(s, args, kwargs)), None)
+        if scaler is not None:
+            frame = user_frame(sys._getframe(2))
+            if frame is not None:
+                _decide(scaler, _limit(function, args, kwargs), (function, Spot(frame)))
+    except Exception as exc:  # strict-mode findings pass through internal_error
+        internal_error(CODE, exc)
+    return args, kwargs
 
-    return wrapper
+
+def _clip(function: str) -> Any:
+    """``clip_grad_norm_``/``clip_grad_value_``: a plain function (see `Registry.replace`), which without a scaler
+    that has scaled a loss pays one test of a set."""
+
+    def factory(original: Any) -> Any:
+        def clip(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # noqa: F841
+            if _scaled:
+                args, kwargs = _look(function, args, kwargs)
+            return original(*args, **kwargs)
+
+        return clip
+
+    return factory
 
 
 def install(registry: Registry) -> None:
     registry.wrap(GradScaler, "scale", _scale, CODE)
     registry.wrap(GradScaler, "update", _update, CODE)
     for function in ("clip_grad_norm_", "clip_grad_value_"):
-        wrapper = _clip(function)
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
-            registry.wrap(owner, function, wrapper, CODE)
+            registry.replace(owner, function, _clip(function), CODE)
 
 
 def uninstall() -> None:

@@ -48,11 +48,20 @@ MESSAGE = (f"{CODE} torch.cuda.empty_cache() has been called {THRESHOLD} times f
            f"Write: remove the call from the loop")
 
 
-def _empty_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 _getframe: Any = sys._getframe) -> Any:
+def _empty_cache(original: Any) -> Any:
+    """``torch.cuda.empty_cache``: a plain function (see `Registry.replace`) that counts its call site's calls."""
+
+    def empty_cache(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        _count(_getframe(1))
+        return original(*args, **kwargs)
+
+    return empty_cache
+
+
+def _count(frame: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
-        frame = _getframe(1)
         code = frame.f_code
         state = _calls.get(id(code) + frame.f_lasti)
         if state is None or state[2] is not code:
@@ -66,7 +75,9 @@ def _empty_cache(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
                 state[0], state[1] = 0, now
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
-    return wrapped(*args, **kwargs)
+
+
+_getframe = sys._getframe
 
 
 def _new_site(frame: Any) -> list[Any] | None:
@@ -78,8 +89,8 @@ def _new_site(frame: Any) -> list[Any] | None:
 
 
 def install(registry: Registry) -> None:
-    registry.wrap(torch.cuda, "empty_cache", _empty_cache, CODE)
-    registry.wrap(torch.cuda.memory, "empty_cache", _empty_cache, CODE)
+    registry.replace(torch.cuda, "empty_cache", _empty_cache, CODE)
+    registry.replace(torch.cuda.memory, "empty_cache", _empty_cache, CODE)
 
 
 def uninstall() -> None:
