@@ -93,3 +93,33 @@ def test_strict_mode_raises() -> None:
     with pytest.raises(SafetorchError) as info:
         Forgetful().eval()(torch.ones(1, 8))
     assert (info.value.code, info.value.lineno) == ("ST013", _line("# the line"))
+
+
+class _Scriptable(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, 0.5, self.training) + F.dropout2d(x, p=0.0) + nn.functional.dropout(x, training=False)
+
+
+def test_torchscript_compiles_forwards_that_call_the_replaced_functions() -> None:
+    # TorchScript compiles what a scripted forward calls from its source and resolves names in its globals.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.10+ deprecates torch.jit.script
+        scripted = torch.jit.script(_Scriptable().eval())
+        dropout = torch.jit.script(nn.Dropout(0.5).eval())
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(scripted(x), 3 * x)
+    assert torch.equal(dropout(x), x)
+    assert F.dropout is not F.dropout.__wrapped__  # the replacement stands, and pickles as torch's name
+    assert F.dropout.__module__ == "torch.nn.functional" and F.dropout.__qualname__ == "dropout"
+
+
+def test_a_tensor_p_is_not_read() -> None:
+    class TensorP(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(x, torch.tensor(0.5))
+
+    with findings() as got:
+        TensorP().eval()(torch.ones(4))
+    assert got == []
