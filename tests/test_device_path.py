@@ -3,13 +3,22 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
 import subprocess
 import sys
+import weakref
 
-from .conftest import LIBRARIES, ROOT
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from safetorch import _deferred
+
+from .conftest import LIBRARIES, ROOT, findings
 
 NOSYNC = os.path.join(ROOT, "bench", "nosync.py")
 
@@ -45,3 +54,35 @@ def test_the_recorder_sees_the_reads_of_the_cpu_path_inside_a_backward() -> None
     assert any(r.startswith("item at non_finite_loss.py") and "_before_backward" in r
                for r in result["reads"])  # type: ignore[union-attr]
     assert any(r.startswith("tolist at _deferred.py") for r in result["reads"])  # type: ignore[union-attr]
+
+
+def _objects() -> tuple[int, int]:
+    gc.collect()
+    return len(gc.get_objects()), len(weakref.finalize._registry)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["cpu-path", "device-path"])
+def test_nothing_safetorch_keeps_grows_over_20k_steps(deferred: bool) -> None:
+    # 20k backwards cross 19 sample windows of ST010/ST011 (each left a finalizer, a watch and two tensors); on the
+    # device path every backward also queues a check in the ring.
+    _deferred.force_cpu(deferred)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.1), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4, 4), torch.randint(0, 2, (4,))
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+    with findings() as got:
+        steps(2_500)
+        before = _objects()
+        steps(17_500)
+        after = _objects()
+    assert got == []
+    assert after[1] == before[1]
+    assert after[0] - before[0] <= 20, (before, after)
