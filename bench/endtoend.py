@@ -69,6 +69,68 @@ def make_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: 
     return epoch
 
 
+_LONG_EPOCH = """\
+def make(model, x, y, steps, criterion, optimizer):
+    def epoch():
+        model.train()
+        if steps < 0:  # never taken: {pad} lines that make the training function {lines} lines long
+{padding}
+        for i in range(steps):
+            loss = criterion(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for _ in range(steps):
+                total += criterion(model(x), y).item()
+        return total
+    return epoch
+"""
+
+
+def make_long_epoch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int,
+                    lines: int) -> Callable[[], float]:
+    """`make_epoch`'s plain loop in a training function ``lines`` lines long (at least 16), written to a file so that
+    its source can be read, as a program's can: what costs per line of the program's function shows."""
+    import os
+    import tempfile
+
+    pad = max(lines - 16, 0)
+    padding = "\n".join(f"            pad_{i} = i * {i}" for i in range(pad)) or "            pass"
+    source = _LONG_EPOCH.format(pad=pad, lines=lines, padding=padding)
+    path = os.path.join(tempfile.gettempdir(), f"safetorch_bench_epoch_{lines}.py")
+    with open(path, "w") as fh:
+        fh.write(source)
+    namespace: dict[str, Any] = {"torch": torch}
+    exec(compile(source, path, "exec"), namespace)
+    return namespace["make"](model, x, y, steps, torch.nn.CrossEntropyLoss(),  # type: ignore[no-any-return]
+                             torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+
+
+def make_gpt2_epoch(model: torch.nn.Module, idx: torch.Tensor, steps: int,
+                    accumulation: int = 2) -> Callable[[], float]:
+    """GPT-2's training step as nanoGPT writes it: ``accumulation`` micro-batches, each loss divided by their number,
+    gradient clipping at 1.0, AdamW, ``zero_grad(set_to_none=True)``."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    targets = idx.roll(-1, dims=1)
+
+    def epoch() -> float:
+        model.train()
+        for _ in range(steps):
+            for _ in range(accumulation):
+                logits = model(idx)
+                loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+                (loss / accumulation).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return 0.0
+
+    return epoch
+
+
 def measure(epoch: Callable[[], Any], device: str, steps: int, rounds: int, warmup: int,
             on: Callable[[], None] = safetorch.install) -> dict[str, Any]:
     """µs per step (one training or one validation step), with (``on``) and without safetorch, rounds interleaved."""

@@ -1,6 +1,11 @@
-"""``python -m bench.instructions [--loop LOOP] [--steps N] [--seeds K] [--json PATH]``: a loop's cost in instructions.
+"""A loop's cost in instructions.
 
-LOOP: tiny_mlp (the default), tiny_mlp_worst, small_cnn or frozen_bn.
+``python -m bench.instructions [--loop LOOP] [--steps N] [--seeds K] [--lines N] [--device-path] [--json PATH]``
+
+LOOP: tiny_mlp (the default), tiny_mlp_worst, small_cnn, frozen_bn, gpt2_layout or gpt2_small (one training step
+per count: 124M parameters, minutes under callgrind). ``--lines N`` pads the tiny MLP's training function to N lines;
+``--device-path`` makes CPU tensors take the accelerator path in both runs (``SAFETORCH_DEFERRED_CPU=1``: the lines a
+GPU run executes, counted on the CPU).
 
 Timings on a shared machine move by several percent between runs, whatever the repeats; the number of instructions
 the CPU executes does not. This runs the end-to-end tiny-MLP epoch (`bench.endtoend.make_epoch`: training steps,
@@ -36,37 +41,55 @@ from typing import Any
 _PROGRAM = textwrap.dedent("""\
     import functools, gc, os, torch, safetorch
     from bench import models
-    from bench.endtoend import make_epoch
+    from bench.endtoend import make_epoch, make_gpt2_epoch, make_long_epoch
     torch.manual_seed(0)
-    if os.environ["BENCH_LOOP"] == "frozen_bn":
-        model, x = models.resnet18_like(), torch.randn(4, 3, 32, 32)
-    elif os.environ["BENCH_LOOP"] == "small_cnn":
-        model, x = models.small_cnn(), torch.randn(8, 3, 32, 32)
-    else:
+    loop, steps, lines = os.environ["BENCH_LOOP"], int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_LINES"])
+    epochs = 2
+    if loop.startswith("gpt2"):
+        small = loop == "gpt2_small"
+        model = models.GPT2() if small else models.GPT2(n_embd=96, vocab=1024)
+        epoch, epochs = make_gpt2_epoch(model, torch.randint(0, 1024, (1, 64)), steps), 1
+    elif lines:
         model, x = models.tiny_mlp(), torch.randn(1, 16)
-    epoch = make_epoch(model, x, torch.randint(0, 10, (x.shape[0],)), int(os.environ["BENCH_STEPS"]),
-                       frozen_bn=os.environ["BENCH_LOOP"] == "frozen_bn",
-                       worst_case=os.environ["BENCH_LOOP"] == "tiny_mlp_worst")
-    epoch(); epoch()                                         # warm-up: not counted
+        epoch = make_long_epoch(model, x, torch.randint(0, 10, (1,)), steps, lines)
+    else:
+        if loop == "frozen_bn":
+            model, x = models.resnet18_like(), torch.randn(4, 3, 32, 32)
+        elif loop == "small_cnn":
+            model, x = models.small_cnn(), torch.randn(8, 3, 32, 32)
+        else:
+            model, x = models.tiny_mlp(), torch.randn(1, 16)
+        epoch = make_epoch(model, x, torch.randint(0, 10, (x.shape[0],)), steps, frozen_bn=loop == "frozen_bn",
+                           worst_case=loop == "tiny_mlp_worst")
+    for _ in range(epochs):
+        epoch()                                                   # warm-up: not counted
     gc.collect()
-    functools.reduce(lambda acc, _: epoch(), range(2), None)  # counted: what runs inside functools.reduce
+    functools.reduce(lambda acc, _: epoch(), range(epochs), None)  # counted: what runs inside functools.reduce
 """)
 
 
 LOOPS = {"tiny_mlp": "cpu tiny MLP (batch 1)",
+         "gpt2_small": "cpu GPT-2 small (124M: 12 layers, 768 wide; batch 1, seq 64, 2 micro-batches, clip, AdamW)",
+         "gpt2_layout": "cpu GPT-2 small's layout at width 96 (12 layers, 12 heads, vocab 1024; batch 1, seq 64, "
+                        "2 micro-batches, clip, AdamW)",
          "tiny_mlp_worst": "cpu tiny MLP worst case (batch 1, 3 conversions/step, eval every 16)",
          "small_cnn": "cpu small CNN (batch 8, 32x32)",
          "frozen_bn": "cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"}
 
 
-def _launch(on: bool, steps: int, loop: str, seed: int) -> subprocess.Popen[str]:
+def _launch(on: bool, steps: int, loop: str, seed: int, lines: int = 0,
+            device_path: bool = False) -> subprocess.Popen[str]:
     # One intra-op thread: callgrind counts every thread, and OpenMP workers spin while they wait, a count that
     # depends on timing (the conv net's counts moved by a third between two runs with the default threads).
     env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_LOOP": loop, "PYTHONHASHSEED": str(seed),
+           "BENCH_LINES": str(lines),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("SAFETORCH_IGNORE", None)
     env.pop("SAFETORCH_DISABLE", None)
+    env.pop("SAFETORCH_DEFERRED_CPU", None)
+    if device_path:
+        env["SAFETORCH_DEFERRED_CPU"] = "1"  # CPU tensors take the accelerator path (safetorch._deferred)
     if not on:
         env["SAFETORCH_DISABLE"] = "1"
     cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce", "--callgrind-out-file=/dev/null",
@@ -82,23 +105,34 @@ def _collected(proc: subprocess.Popen[str]) -> int:
     return int(match.group(1).replace(",", ""))
 
 
-def run(steps: int, loop: str = "tiny_mlp", seeds: int = 3) -> dict[str, Any]:
-    """For each hash seed, both runs side by side (one per core); counts per training + validation step pair."""
+def run(steps: int, loop: str = "tiny_mlp", seeds: int = 3, lines: int = 0,
+        device_path: bool = False) -> dict[str, Any]:
+    """For each hash seed, both runs side by side (one per core); counts per training + validation step pair (per
+    training step for the GPT-2 loops, one counted epoch)."""
     per_seed = []
     for seed in range(seeds):
-        procs = {"without": _launch(False, steps, loop, seed), "with": _launch(True, steps, loop, seed)}
+        procs = {"without": _launch(False, steps, loop, seed, lines, device_path),
+                 "with": _launch(True, steps, loop, seed, lines, device_path)}
         per_seed.append({k: _collected(p) for k, p in procs.items()})
     counts = {k: sum(c[k] for c in per_seed) for k in ("without", "with")}
-    pairs = 2 * steps * seeds  # per seed, two counted epochs of `steps` training and `steps` validation steps
+    # per seed: two counted epochs of `steps` training and `steps` validation steps; GPT-2: one epoch of `steps`
+    pairs = (steps if loop.startswith("gpt2") else 2 * steps) * seeds
+    label = LOOPS[loop] + (f", a {lines}-line training function" if lines else "")
     return {
-        "loop": LOOPS[loop],
+        "loop": label + (", accelerator path forced on CPU tensors" if device_path else ""),
+        "device_path": device_path,
+        "training_function_lines": lines or None,
         "steps_per_epoch": steps,
         "hash_seeds": seeds,
         "instructions": counts,
         "per_step_pair": {k: round(v / pairs) for k, v in counts.items()},
+        "safetorch_per_step_pair": round((counts["with"] - counts["without"]) / pairs),
         "overhead_pct": round((counts["with"] / counts["without"] - 1) * 100, 2),
         "overhead_pct_per_seed": [round((c["with"] / c["without"] - 1) * 100, 2) for c in per_seed],
     }
+
+
+_DEFAULT_STEPS = {"frozen_bn": 5, "small_cnn": 10, "gpt2_small": 1, "gpt2_layout": 4}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(default: 100 for the MLPs, 10 for small_cnn, 5 for frozen_bn)")
     parser.add_argument("--loop", choices=sorted(LOOPS), default="tiny_mlp", help="which loop to count")
     parser.add_argument("--seeds", type=int, default=3, help="hash seeds to sum over, one pair of runs each")
+    parser.add_argument("--lines", type=int, default=0,
+                        help="tiny MLP only: the training function padded to this many lines (source on disk)")
+    parser.add_argument("--device-path", action="store_true",
+                        help="CPU tensors take the accelerator path (what a GPU run executes), in both runs")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
@@ -117,9 +155,11 @@ def main(argv: list[str] | None = None) -> int:
 
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     result = {"machine": bench_main.machine(), "valgrind": version, "date": datetime.date.today().isoformat(),
-              **run(args.steps or {"frozen_bn": 5, "small_cnn": 10}.get(args.loop, 100), args.loop, args.seeds)}
-    print(f"{result['loop']}: {result['per_step_pair']['without']} instructions per training + validation step "
-          f"without safetorch, {result['per_step_pair']['with']} with it: {result['overhead_pct']:+.2f}% "
+              **run(args.steps or _DEFAULT_STEPS.get(args.loop, 100), args.loop, args.seeds, args.lines,
+                    args.device_path)}
+    print(f"{result['loop']}: {result['per_step_pair']['without']} instructions per step (pair) "
+          f"without safetorch, {result['per_step_pair']['with']} with it "
+          f"(+{result['safetorch_per_step_pair']}): {result['overhead_pct']:+.2f}% "
           f"(per hash seed: {', '.join(f'{p:+.2f}%' for p in result['overhead_pct_per_seed'])})")
     if args.json:
         with open(args.json, "w") as fh:
