@@ -330,6 +330,12 @@ class Spot:
     def __init__(self, frame: FrameType) -> None:
         self.f_code, self.f_lasti, self.f_globals = frame.f_code, frame.f_lasti, frame.f_globals
 
+    @classmethod
+    def at(cls, code: CodeType, lasti: int, module_globals: dict[str, Any]) -> Spot:
+        spot = cls.__new__(cls)
+        spot.f_code, spot.f_lasti, spot.f_globals = code, lasti, module_globals
+        return spot
+
     @property
     def f_lineno(self) -> int:
         line = 0

@@ -19,18 +19,34 @@ types (MPS, XPU) are not checked on the device: their values are left unread rat
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["RING", "check", "clear", "dropped", "force_cpu", "host_buffers", "pending", "poll"]
+__all__ = ["EVERY", "FIRST", "RING", "check", "clear", "dropped", "force_cpu", "host_buffers", "looks", "pending",
+           "poll"]
 
-#: Slots per device: checks in flight at once. ST006 queues one per backward; a device this far behind is rare.
+#: Slots per device: checks in flight at once. ST006 queues one per looked-at backward; a device this far behind is
+#: rare.
 RING = 64
+#: On the accelerator path a per-step check looks at the first FIRST steps, then at one in EVERY (`looks`): a device
+#: operation per step would cost a program on the CPU more than the check is worth, and what goes wrong for good (a
+#: diverged loss stays NaN) is still found within EVERY steps.
+FIRST = 64
+EVERY = 32
+
+
+def _looks() -> Iterator[bool]:
+    return itertools.chain(itertools.repeat(True, FIRST), itertools.cycle((False,) * (EVERY - 1) + (True,)))
+
+
+#: ``next(looks)``: whether this step is looked at (one ``next()`` in C per step).
+looks = _looks()
 
 #: ``ready(value, payload)``: ``value`` is a float (a 0-dim tensor was checked) or a list of two floats.
 Ready = Callable[[Any, Any], None]
@@ -55,8 +71,8 @@ class _Fake:
         return _FakeEvent()
 
     @staticmethod
-    def stream(device: torch.device) -> None:
-        return None
+    def record(event: _FakeEvent, value: torch.Tensor) -> None:
+        event.record()
 
 
 class _FakeEvent:
@@ -77,7 +93,8 @@ class _FakeEvent:
 
 
 class _Cuda:
-    """CUDA's adapter: a pinned buffer (a non-blocking copy into pageable memory would block) and CUDA events."""
+    """CUDA's adapter: a pinned buffer (a non-blocking copy into pageable memory would block) and CUDA events, each
+    recorded on the current stream of the value's device (where torch queued the copy)."""
 
     @staticmethod
     def buffer(rows: int) -> torch.Tensor:
@@ -88,56 +105,56 @@ class _Cuda:
         return torch.cuda.Event()
 
     @staticmethod
-    def stream(device: torch.device) -> Any:
-        return torch.cuda.current_stream(device)
+    def record(event: Any, value: torch.Tensor) -> None:
+        event.record(torch.cuda.current_stream(value.device))
 
 
 class _Slot:
-    __slots__ = ("scalar", "pair", "event", "ready", "payload", "owner", "pairwise")
+    __slots__ = ("scalar", "pair", "host", "event", "ready", "payload", "owner", "pairwise", "ring")
 
-    def __init__(self, row: torch.Tensor, event: Any) -> None:
-        self.scalar, self.pair, self.event = row[0], row, event
+    def __init__(self, row: torch.Tensor, event: Any, ring: _Ring) -> None:
+        self.scalar, self.pair, self.event, self.ring = row[0], row, event, ring
+        self.host: Any = _numpy(row)  # read without a torch call when numpy is there
         self.ready: Ready | None = None
         self.payload: Any = None
         self.owner = ""
         self.pairwise = False
 
+    def read(self) -> Any:
+        """The value the device wrote (only once the slot's event has completed)."""
+        if self.host is not None:
+            return self.host.tolist() if self.pairwise else float(self.host[0])
+        return self.pair.tolist() if self.pairwise else self.scalar.item()
+
+
+def _numpy(row: torch.Tensor) -> Any:
+    try:
+        return row.numpy()
+    except Exception:  # torch without numpy
+        return None
+
 
 class _Ring:
-    """One device's slots: `free` ones, and `pending` ones in the order their events were recorded."""
+    """One device's slots: the `free` ones (the others are in `_queue`)."""
 
-    __slots__ = ("adapter", "buffer", "free", "pending")
+    __slots__ = ("adapter", "buffer", "free")
 
     def __init__(self, adapter: Any) -> None:
         self.adapter = adapter
         self.buffer = adapter.buffer(RING)
-        self.free = [_Slot(self.buffer[i], adapter.event()) for i in range(RING)]
-        self.pending: deque[_Slot] = deque()
+        self.free = [_Slot(self.buffer[i], adapter.event(), self) for i in range(RING)]
 
 
-_rings: dict[torch.device, _Ring] = {}
+#: Rings by device: a CUDA device's index, and -1 for the CPU taking the accelerator path.
+_rings: dict[int, _Ring] = {}
+#: The slots in flight, in the order their events were recorded (each device's in its own order).
+_queue: deque[_Slot] = deque()
 _lock = threading.Lock()
-#: Whether any ring has a slot in flight: what every poll site reads first.
+#: Whether a slot is in flight: what every poll site reads first.
 pending = False
 dropped = 0
-
-
-def _adapter(device: torch.device) -> Any:
-    if device.type == "cuda":
-        return _Cuda
-    if device.type == "cpu" and FORCED:
-        return _Fake
-    return None
-
-
-def _ring(device: torch.device) -> _Ring | None:
-    ring = _rings.get(device)
-    if ring is None:
-        adapter = _adapter(device)
-        if adapter is None:
-            return None
-        ring = _rings[device] = _Ring(adapter)
-    return ring
+_grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 
 
 def is_deferred(t: torch.Tensor) -> bool:
@@ -145,66 +162,78 @@ def is_deferred(t: torch.Tensor) -> bool:
     return not t.is_cpu or FORCED
 
 
+def _ring(value: torch.Tensor) -> _Ring | None:
+    if value.is_cuda:
+        key, adapter = value.get_device(), _Cuda
+    elif FORCED and value.is_cpu:
+        key, adapter = -1, _Fake
+    else:
+        return None  # other accelerators: not read at all rather than read with a wait
+    ring = _rings.get(key)
+    if ring is None:
+        ring = _rings[key] = _Ring(adapter)
+    return ring
+
+
 def check(value: torch.Tensor, ready: Ready, payload: Any, owner: str) -> bool:
     """Call ``ready(v, payload)`` with ``value``'s content (a float for a 0-dim tensor, two floats for a pair): now
-    on the CPU, once the device has computed it on an accelerator. ``value`` must not require grad. False when it
-    could not be queued (a device type without an adapter, or every slot in flight)."""
+    on the CPU, once the device has computed it on an accelerator. ``value`` may require grad (it is copied without
+    recording a graph). False when it could not be queued (a device type without an adapter, or every slot in
+    flight)."""
     global pending, dropped
     if value.is_cpu and not FORCED:
         ready(value.tolist(), payload)
         return True
-    if value.is_meta:
-        return False
-    ring = _ring(value.device)
+    ring = _ring(value)
     if ring is None:
         return False
-    with _lock:
-        done = _poll_ring(ring, False) if not ring.free else []
-        queued = bool(ring.free)
-        if queued:
-            slot = ring.free.pop()
-            slot.ready, slot.payload, slot.owner, slot.pairwise = ready, payload, owner, value.dim() > 0
-            (slot.pair if slot.pairwise else slot.scalar).copy_(value, non_blocking=True)
-            slot.event.record(ring.adapter.stream(value.device))
-            ring.pending.append(slot)
-            pending = True
-        else:
+    free = ring.free
+    if not free:
+        poll()
+        if not free:
             dropped += 1
-    _run(done)
-    return queued
-
-
-def _poll_ring(ring: _Ring, wait: bool) -> list[tuple[Ready, Any, Any]]:
-    """Take the slots whose event completed (all, waiting for them, when ``wait``), oldest first; the caller holds
-    the lock and calls what this returns without it."""
-    done = []
-    while ring.pending:
-        slot = ring.pending[0]
-        if wait:
-            slot.event.synchronize()
-        elif not slot.event.query():
-            break  # one stream completes in order: what was recorded after it is not complete either
-        ring.pending.popleft()
-        value = slot.pair.tolist() if slot.pairwise else slot.scalar.item()  # host memory the device has written
-        if slot.ready is not None:
-            done.append((slot.ready, value, slot.payload))
-        slot.ready = slot.payload = None
-        ring.free.append(slot)
-    return done
+            return False
+    with _lock:
+        if not free:  # another thread took the last one
+            dropped += 1
+            return False
+        slot = free.pop()
+        slot.ready, slot.payload, slot.owner, slot.pairwise = ready, payload, owner, value.dim() > 0
+        grad = _grad_enabled()
+        if grad:
+            _set_grad_enabled(False)  # detach() would cost a torch call more
+        try:
+            (slot.pair if slot.pairwise else slot.scalar).copy_(value, non_blocking=True)
+        finally:
+            if grad:
+                _set_grad_enabled(True)
+        ring.adapter.record(slot.event, value)
+        _queue.append(slot)
+        pending = True
+    return True
 
 
 def poll(wait: bool = False) -> None:
     """Run the callbacks of the checks whose value the device has computed (of all of them, waiting, when ``wait``:
-    at exit)."""
+    at exit). A slot is read only once its event has completed; one stream completes in order, so the first slot
+    not completed ends the look (a later device's slots wait behind it: later, not wrong)."""
     global pending
-    if not pending:
-        return
+    done = []
     with _lock:
-        done = []
-        for ring in list(_rings.values()):
-            done += _poll_ring(ring, wait)
-        pending = any(ring.pending for ring in _rings.values())
-    _run(done)
+        while _queue:
+            slot = _queue[0]
+            if wait:
+                slot.event.synchronize()
+            elif not slot.event.query():
+                break
+            _queue.popleft()
+            if slot.ready is not None:
+                done.append((slot.ready, slot.read(), slot.payload))
+            slot.ready = slot.payload = None
+            slot.ring.free.append(slot)
+        pending = bool(_queue)
+    if done:
+        _run(done)
 
 
 def _run(done: list[tuple[Ready, Any, Any]]) -> None:
@@ -223,20 +252,22 @@ def _run(done: list[tuple[Ready, Any, Any]]) -> None:
 def clear(owner: str | None = None) -> None:
     """Forget the pending checks of ``owner`` (all when None): their callbacks never run."""
     with _lock:
-        for ring in _rings.values():
-            for slot in ring.pending:
-                if owner is None or slot.owner == owner:
-                    slot.ready = slot.payload = None
+        for slot in _queue:
+            if owner is None or slot.owner == owner:
+                slot.ready = slot.payload = None
 
 
 def force_cpu(on: bool, lag: int = 1) -> None:
     """Make CPU tensors take the accelerator path (tests, the bench), with a fake device `lag` events behind."""
-    global FORCED, pending
+    global FORCED, pending, looks
     with _lock:
         FORCED = on
+        looks = _looks()
         _Fake.lag, _Fake.recorded, _Fake.done = lag, 0, 0
-        _rings.pop(torch.device("cpu"), None)
-        pending = any(ring.pending for ring in _rings.values())
+        fake = _rings.pop(-1, None)
+        if fake is not None:
+            _queue.extend(s for s in [_queue.popleft() for _ in range(len(_queue))] if s.ring is not fake)
+        pending = bool(_queue)
 
 
 def host_buffers() -> list[torch.Tensor]:
@@ -250,6 +281,7 @@ def _after_fork_in_child() -> None:
     global pending, _lock
     _lock = threading.Lock()  # the parent may have held it while forking
     _rings.clear()
+    _queue.clear()
     pending = False
 
 

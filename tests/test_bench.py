@@ -50,3 +50,28 @@ def test_the_act_bench_compares_the_three_ways_of_running_an_evaluation() -> Non
     assert saved["checkpointed"] == saved["no_grad"] == 0 < saved["as_written"]
     times = act.timed("tiny_mlp", repeats=2, number=2)
     assert set(times) == set(act.WAYS) and all(t > 0 for t in times.values())
+
+
+def test_the_gpu_script_dry_run_executes_every_step_on_the_cpu(tmp_path: os.PathLike[str]) -> None:
+    """`bench/gpu.sh --dry-run`: the same steps as on a GPU (the no-sync loop, the step-time ratios of GPT-2 small
+    and ResNet-50 in processes of their own, the validation loop's peak memory), at tiny sizes on the CPU."""
+    out = os.path.join(os.fspath(tmp_path), "out")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    env.update({"OUT": out, "PYTHON": sys.executable})
+    proc = subprocess.run(["bash", "bench/gpu.sh", "--dry-run"], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(os.listdir(out)) == ["gpu-bench.txt", "gpu-memory.json", "gpu-steps.json", "machine.txt",
+                                       "nosync.err", "nosync.json"]
+    nosync = json.loads(open(os.path.join(out, "nosync.json")).read())
+    assert nosync["deferred_cpu"] is True and nosync["reads"] == []
+    assert {code for code, _ in nosync["findings"]} == {f"ST{n:03d}" for n in range(1, 16)}
+    steps = json.loads(open(os.path.join(out, "gpu-steps.json")).read())
+    assert steps["dry_run"] is True and steps["machine"]["torch"] == __import__("torch").__version__
+    for name in ("gpt2_small", "resnet50"):
+        result = steps["steps"][name]
+        assert result["device"] == "cpu" and result["rounds"] == 1
+        assert result["median_step_ms"]["with"] > 0 and result["median_step_ms"]["without"] > 0
+    memory = json.loads(open(os.path.join(out, "gpu-memory.json")).read())
+    assert memory["validation_with"]["bytes"] < memory["validation_without"]["bytes"]
+    assert "gpt2_small:" in proc.stdout and "validation peak memory:" in proc.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import textwrap
 
@@ -140,8 +141,9 @@ def test_device_path_never_reads_a_slot_before_its_event_completed() -> None:
 
 
 @pytest.mark.usefixtures("device_path")
-def test_device_path_drops_a_check_rather_than_wait_when_every_slot_is_in_flight() -> None:
+def test_device_path_drops_a_check_rather_than_wait_when_every_slot_is_in_flight(monkeypatch) -> None:
     _deferred.force_cpu(True, lag=10_000)
+    monkeypatch.setattr(_deferred, "looks", itertools.repeat(True))  # every backward looked at
     w = torch.randn(3, requires_grad=True)
     before = _deferred.dropped
     with findings() as got:
@@ -163,6 +165,23 @@ def test_device_path_strict_mode_raises_at_the_backward_that_reads_it_naming_the
     with pytest.raises(SafetorchError) as info:
         _step(w, 1.0)
     assert (info.value.code, info.value.filename, info.value.lineno) == ("ST006", __file__, line)
+
+
+@pytest.mark.usefixtures("device_path")
+def test_device_path_looks_at_the_first_backwards_then_one_in_thirty_two() -> None:
+    _deferred.force_cpu(True, lag=0)  # a device that keeps up: what is looked at is read at the next look
+    w = torch.randn(3, requires_grad=True)
+    with findings() as got:
+        for _ in range(_deferred.FIRST):
+            _step(w, 1.0)
+        (w * float("nan")).sum().backward()  # backward 65: not looked at (an isolated NaN goes unseen)
+        for _ in range(_deferred.EVERY - 2):
+            _step(w, 1.0)
+        assert got == []
+        for _ in range(3):  # a loss that stays NaN, as a diverged one does: backward 96 is looked at
+            (w * float("nan")).sum().backward(); line = lineno()  # noqa: E702
+        _deferred.poll(wait=True)
+    assert [w_.lineno for w_ in got] == [line]
 
 
 def test_device_path_reports_at_exit_what_the_device_computed_last() -> None:
@@ -205,7 +224,7 @@ def test_cuda_adapter_pins_its_ring_once_and_records_on_the_tensors_stream(monke
     monkeypatch.setattr(torch, "zeros", pinned_zeros)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
-    monkeypatch.setattr(_deferred, "_adapter", lambda device: _deferred._Cuda)
+    monkeypatch.setattr(_deferred, "_Fake", _deferred._Cuda)  # CPU tensors get the CUDA adapter
     monkeypatch.setattr(_deferred, "FORCED", True)
     monkeypatch.setattr(_deferred, "_rings", {})
     seen: list[float] = []

@@ -3,15 +3,18 @@
 On the CPU the value is checked directly (a scalar loss's ``item()``). On an accelerator no host synchronisation is
 added: the loss is handed to `safetorch._deferred` (a non-blocking copy into pinned host memory and an event; a
 vector's ``isfinite().all()`` first), and the result is read once the device has computed it: at a later
-``backward()``, and at exit (before the exit summary). Per backward that is the copy, the event, and a remembered
-place (code object, instruction, globals: O(1), whatever the length of the training function); the loss's name, the
-line number and the message are worked out only for a loss that was not finite. In strict mode the finding raises
+``backward()``, and at exit (before the exit summary). The first 64 backwards are looked at, then one in 32
+(`safetorch._deferred.looks`): a loss that diverged stays NaN and is found within 32 steps, and a backward not looked
+at costs one ``next()``. A looked-at backward costs the copy, the event, and a remembered place (code object,
+instruction, globals: O(1), whatever the length of the training function); the loss's name, the line number and the
+message are worked out only for a loss that was not finite. In strict mode the finding raises
 at the backward that reads it, naming the line of the backward that started from the bad loss.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from types import FrameType
 from typing import Any
 
@@ -21,10 +24,14 @@ from .. import _backward, _deferred
 from .._callsite import Spot, method_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error, report, report_at
+from .._report import internal_error, is_internal, report, report_at, user_frame
 from .._rule import Rule
 
 CODE = "ST006"
+_getframe = sys._getframe
+_next = next
+_TENSOR_BACKWARD = torch.Tensor.backward.__code__
+_BACKWARD_CODES = _backward._BACKWARD_CODES
 
 
 class NonFiniteLossWarning(SafetorchWarning):
@@ -60,9 +67,9 @@ def _name(frame: FrameType | Spot, method: str) -> str:
     return "the tensor given to torch.autograd.backward"
 
 
-def _deferred_ready(value: Any, payload: tuple[Spot, str, int]) -> None:
+def _deferred_ready(value: Any, payload: tuple[Any, ...]) -> None:
     """The device has computed a loss's check: the loss itself (one element), or whether all of it is finite."""
-    spot, method, numel = payload
+    code, lasti, module_globals, method, numel = payload
     if numel == 1:
         if value - value == 0:
             return
@@ -71,19 +78,41 @@ def _deferred_ready(value: Any, payload: tuple[Spot, str, int]) -> None:
         return
     else:
         describe = f"has NaN or infinite values among its {numel} elements"
-    report_at(CODE, spot.f_code.co_filename, spot.f_lineno, spot.f_globals,
-              lambda: _message(_name(spot, method), describe))
+    spot = Spot.at(code, lasti, module_globals)
+    report_at(CODE, code.co_filename, spot.f_lineno, module_globals, lambda: _message(_name(spot, method), describe))
 
 
 def _defer(t: torch.Tensor, frame: FrameType, method: str) -> None:
-    """Queue the check of a loss on an accelerator: a copy of the value (one element) or of ``isfinite().all()``."""
+    """Queue the check of a loss on an accelerator: the value itself (one element) or ``isfinite().all()``. What is
+    kept is the place (code object, instruction, globals): O(1); the line and the name are worked out for a finding."""
     numel = t.numel()
-    value = t.detach()
     if numel == 1 and not t.is_complex():
-        value = value if value.dim() == 0 else value.reshape(())
+        value = t if t.dim() == 0 else t.detach().reshape(())
     else:
-        value = torch.isfinite(value).all()
-    _deferred.check(value, _deferred_ready, (Spot(frame), method, numel), CODE)
+        value = torch.isfinite(t.detach()).all()
+    _deferred.check(value, _deferred_ready, (frame.f_code, frame.f_lasti, frame.f_globals, method, numel), CODE)
+
+
+def _defer_loss(t: torch.Tensor) -> bool:
+    """The usual case on an accelerator, ``loss.backward()`` from a 0-dim loss: the program's frame is the one above
+    ``Tensor.backward``, two frames from the backward patch (no walk). False when the stack is not that one."""
+    patch = _getframe(2)
+    if patch.f_code not in _BACKWARD_CODES:
+        return False
+    frame: FrameType | None = patch.f_back
+    if frame is None:
+        return False
+    if frame.f_code is _TENSOR_BACKWARD:
+        frame, method = frame.f_back, "backward"
+        if frame is not None and is_internal(frame.f_code):
+            frame = user_frame(frame)  # a framework's loss.backward() (Lightning's manual_backward)
+    elif is_internal(frame.f_code):
+        return True  # torch's own backward (a checkpoint's recomputation): not the program's loss
+    else:
+        method = "autograd.backward"
+    if frame is not None:
+        _deferred.check(t, _deferred_ready, (frame.f_code, frame.f_lasti, frame.f_globals, method, 1), CODE)
+    return True
 
 
 def _finite(t: torch.Tensor) -> bool:
@@ -116,20 +145,29 @@ def _check(tensors: Any) -> None:
 def _before_backward(tensors: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
-        if _deferred.pending:
-            _deferred.poll()
-        if isinstance(tensors, torch.Tensor) and tensors.is_cpu and not _deferred.FORCED:
-            # The usual case, one finite loss on the CPU: no call, no loop, no frame walk. `v - v == 0` holds for
-            # every finite int, float or complex, and for no NaN or infinity. item() raises for any other number of
-            # elements than one, which a backward from a loss rarely has (asking numel() first costs every backward).
-            try:
-                value = tensors.item()
-            except Exception:
-                if _finite(tensors):
-                    return
+        if isinstance(tensors, torch.Tensor):
+            if tensors.is_cpu and not _deferred.FORCED:
+                # The usual case, one finite loss on the CPU: no call, no loop, no frame walk. `v - v == 0` holds
+                # for every finite int, float or complex, and for no NaN or infinity. item() raises for any other
+                # number of elements than one, which a backward from a loss rarely has (asking numel() first costs
+                # every backward).
+                try:
+                    value = tensors.item()
+                except Exception:
+                    if _finite(tensors):
+                        return
+                else:
+                    if value - value == 0:
+                        return
+            elif not _next(_deferred.looks):
+                return  # on an accelerator, a backward not looked at: one next() in C
             else:
-                if value - value == 0:
-                    return
+                if _deferred.pending:
+                    _deferred.poll()
+                if tensors.dim() == 0 and tensors.is_floating_point() and _defer_loss(tensors):
+                    return  # queued
+        elif _deferred.pending:
+            _deferred.poll()
         _check(tensors)
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
