@@ -99,9 +99,8 @@ def _defer_loss(t: torch.Tensor) -> bool:
     patch = _getframe(2)
     if patch.f_code not in _BACKWARD_CODES:
         return False
-    frame: FrameType | None = patch.f_back
-    if frame is None:
-        return False
+    frame: FrameType | None = patch.f_back  # never None: someone called the patch
+    assert frame is not None
     if frame.f_code is _TENSOR_BACKWARD:
         frame, method = frame.f_back, "backward"
         if frame is not None and is_internal(frame.f_code):

@@ -48,7 +48,8 @@ INJECT = textwrap.dedent("""\
     legacy_reduction._legacy_message = boom   # ST002
     eval_mode_grad._inspect = boom            # ST003
     volatile_variable.report = boom           # ST005
-    non_finite_loss._pending.append(None)     # ST006 (a scalar CPU loss is tested inline; the poll fails)
+    non_finite_loss._deferred.FORCED = True   # ST006, on the accelerator path (the CPU's inline test cannot fail):
+    non_finite_loss._deferred.check = boom    # queuing the loss fails
     empty_cache_loop._new_site = boom         # ST007
 """)
 
