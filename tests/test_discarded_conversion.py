@@ -296,3 +296,31 @@ def test_two_functions_with_a_conversion_at_the_same_offset() -> None:
             _, line = discards(x)
             assert uses(x).dtype == torch.float32
     assert [(w.category, w.lineno) for w in got] == [(DiscardedConversionWarning, line)]
+
+
+@pytest.mark.parametrize("method", ["cuda", "to"])
+def test_the_device_conversions_run_on_the_cpu_through_a_fake_device_method(method: str) -> None:
+    """ST001's ``x.cuda()`` / ``x.to("cuda")`` lines, without CUDA: the same patch, over a method that returns a
+    copy as CUDA's would."""
+    from safetorch.checks import discarded_conversion
+
+    class OnDevice(torch.Tensor):
+        pass
+
+    def to_device(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        copy = torch.Tensor.clone(self)
+        return copy
+
+    setattr(OnDevice, method, discarded_conversion._Conversion.create(to_device, OnDevice, method))
+    x = torch.ones(2).as_subclass(OnDevice)
+    with findings() as got:
+        kept = x.cuda() if method == "cuda" else x.to("cuda")
+        if method == "cuda":
+            x.cuda(); line = lineno()  # noqa: E702
+        else:
+            x.to("cuda"); line = lineno()  # noqa: E702
+    assert isinstance(kept, torch.Tensor)
+    call = "x.cuda()" if method == "cuda" else 'x.to("cuda")'
+    assert [(w.category, w.lineno, str(w.message)) for w in got] == [
+        (DiscardedConversionWarning, line,
+         f"ST001 {call} returns a copy and its result is discarded; x is unchanged. Write: x = {call}")]
