@@ -33,7 +33,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 
 #: What reads a tensor's value into Python: the methods and functions, wrapped while `Reads` is active.
-_METHODS = ("item", "__bool__", "tolist", "numpy", "__float__", "__int__", "__index__", "__complex__", "__repr__",
+_METHODS = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__", "__complex__", "__repr__",
             "__format__")
 _FUNCTIONS = ("equal", "allclose", "is_nonzero")
 #: The lines where safetorch calls torch's function on the program's behalf: what torch reads below them is torch's.
