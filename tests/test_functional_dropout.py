@@ -105,7 +105,8 @@ def test_torchscript_compiles_forwards_that_call_the_replaced_functions() -> Non
     import warnings
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # torch 2.10+ deprecates torch.jit.script
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.10+ deprecates torch.jit.script
+        warnings.simplefilter("ignore", DeprecationWarning)
         scripted = torch.jit.script(_Scriptable().eval())
         dropout = torch.jit.script(nn.Dropout(0.5).eval())
     x = torch.randn(2, 3, 4, 4)
