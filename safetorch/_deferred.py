@@ -4,11 +4,11 @@ A check that needs a device tensor's value (is the loss finite? is the AMP scale
 a 0-dim tensor, or one of two elements, to `check` with a callback. On the CPU the value is read at once and the
 callback runs. On an accelerator the value is copied without blocking into a slot of a small ring of host memory
 (pinned, allocated once per device), an event is recorded after the copy on the tensor's current stream, and the
-callback runs when `poll` finds that event completed: ST006 polls at every backward, and everything still pending is
-waited for at exit. A slot is never read before its event has completed, so the program's stream never waits for
-safetorch; the per-step work is the copy, the event and O(1) Python. When every slot of a device is still in flight
-(the device more than `RING` checks behind the host), the value is not checked and `dropped` counts it: a check
-that would wait is worse than a check skipped.
+callback runs when `poll` finds that event completed: ST006 polls at each backward it looks at (`looks`), and what
+is still pending is waited for at exit. A slot is never read before its event has completed, so the program's stream
+never waits for safetorch; the per-step work is the copy, the event and O(1) Python. When every slot of a device is
+still in flight (the device more than `RING` checks behind the host), the value is not checked and `dropped` counts
+it: a check that would wait is worse than a check skipped.
 
 What only a device has (pinned memory, events, streams) is an adapter: CUDA's (ROCm included), and `_Fake`, which
 makes CPU tensors take the accelerator path, so that CI runs, tests and benches the very lines a GPU run runs
