@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 import weakref
 
 import pytest
@@ -108,46 +109,43 @@ def test_device_path_forgotten_zero_grad_is_reported_at_the_step_line_once_read(
     assert str(got[0].message).startswith("ST011 opt.step() uses the sum of the gradients of every step so far")
 
 
+def _amp_steps(limit: str, scaled_on_purpose: bool) -> tuple[list[warnings.WarningMessage], int]:
+    """Two AMP steps that clip before unscale_, on the accelerator path; (the findings, the clip's line)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(8, 4)
+    with findings() as got:
+        for _ in range(2):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            if scaled_on_purpose:
+                max_norm: float | torch.Tensor = scaler._scale * 1.0 if limit == "tensor" else scaler.get_scale()
+            else:
+                max_norm = torch.tensor(1.0) if limit == "tensor" else 1.0
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm); line = sys._getframe().f_lineno  # noqa: E702
+            scaler.step(opt)
+            scaler.update()
+        _deferred.poll(wait=True)
+    return got, line
+
+
 @pytest.mark.usefixtures("device_path")
 @pytest.mark.parametrize("limit", ["number", "tensor"])
 def test_device_path_clip_before_unscale_is_compared_on_the_device(limit: str) -> None:
     from safetorch import ClipScaledGradientsWarning
 
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    x = torch.randn(8, 4)
-    max_norm = 1.0 if limit == "number" else torch.tensor(1.0)
-    with findings() as got:
-        for _ in range(2):
-            opt.zero_grad()
-            scaler.scale(model(x).pow(2).mean()).backward()
-            nn.utils.clip_grad_norm_(model.parameters(), max_norm); line = sys._getframe().f_lineno  # noqa: E702
-            scaler.step(opt)
-            scaler.update()
-        _deferred.poll(wait=True)
-    assert [(w.category, w.lineno) for w in got] == [(ClipScaledGradientsWarning, line)]
-    assert "still multiplied by the GradScaler's scale (65536)" in str(got[0].message)
+    got, line = _amp_steps(limit, scaled_on_purpose=False)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(ClipScaledGradientsWarning, __file__, line)]
+    assert str(got[0].message).startswith("ST012 `nn.utils.clip_grad_norm_(model.parameters(), max_norm)` clips "
+                                          "gradients still multiplied by the GradScaler's scale (65536)")
 
 
 @pytest.mark.usefixtures("device_path")
 @pytest.mark.parametrize("limit", ["number", "tensor"])
 def test_device_path_a_limit_scaled_on_purpose_stays_silent(limit: str) -> None:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    x = torch.randn(8, 4)
-    with findings() as got:
-        for _ in range(2):
-            opt.zero_grad()
-            scaler.scale(model(x).pow(2).mean()).backward()
-            scale = scaler._scale * 1.0 if limit == "tensor" else scaler.get_scale()
-            nn.utils.clip_grad_norm_(model.parameters(), scale)
-            scaler.step(opt)
-            scaler.update()
-        _deferred.poll(wait=True)
+    got, _ = _amp_steps(limit, scaled_on_purpose=True)
     assert got == []
 
 

@@ -71,6 +71,21 @@ def test_a_torchrun_job_has_every_ranks_findings_in_one_report_every_time(tmp_pa
         assert f"ST001 {script}:10 (x1): x.float() returns a copy" in proc.stderr
 
 
+def test_a_torchrun_job_on_the_accelerator_path_loses_no_rank_s_finding(tmp_path: Any) -> None:
+    # The GPU code path (forced on CPU tensors): rank 1's NaN is read at its exit, before its part of the report.
+    script = _write(tmp_path, "ranks.py", RANKS)
+    report = os.path.join(tmp_path, "findings.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "safetorch", script]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path,
+                          env=_env(SAFETORCH_REPORT=report, SAFETORCH_DEFERRED_CPU="1"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = _report(report)
+    assert sorted(found) == [("ST001", 7), ("ST001", 10), ("ST006", 9)], found
+    assert found[("ST006", 9)]["ranks"] == [1] and "[rank 1]" in found[("ST006", 9)]["message"]
+    assert proc.stderr.count("NonFiniteLossWarning: ST006 [rank 1]") == 1
+
+
 HOGWILD = """\
     import torch
     import torch.multiprocessing as mp

@@ -115,22 +115,23 @@ def _reaches(scaler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool
     return any(id(p) in reached for p in params)
 
 
-def _decide(scaler: Any, limit: float | torch.Tensor | None, payload: tuple[str, Spot]) -> None:
+def _decide(scaler: Any, limit: float | torch.Tensor | None, function: str, spot: Spot) -> None:
     """Compare the limit with the scale, a tensor on the scaler's device, through `safetorch._deferred`: read at once
-    on the CPU, once the device has computed it on an accelerator (``get_scale()`` would make the host wait)."""
+    on the CPU, once the device has computed it on an accelerator (``get_scale()`` would make the host wait). A
+    tensor limit travels with the scale (the pair is read together)."""
     scale = scaler._scale.detach().reshape(())
     if isinstance(limit, torch.Tensor):
         value = torch.stack((scale, limit.to(device=scale.device, dtype=scale.dtype)))
-        _deferred.check(value, _decided, payload, CODE)
+        _deferred.check(value, _decided, (function, spot, None), CODE)
     else:
-        _deferred.check(scale, _decided, (*payload, limit), CODE)
+        _deferred.check(scale, _decided, (function, spot, limit), CODE)
 
 
-def _decided(value: Any, payload: tuple[Any, ...]) -> None:
-    scale, limit = value if isinstance(value, list) else (value, payload[2] if len(payload) > 2 else None)
+def _decided(value: Any, payload: tuple[str, Spot, float | None]) -> None:
+    function, spot, limit = payload
+    scale, limit = value if isinstance(value, list) else (value, limit)
     if limit is not None and limit * 16 >= scale:
         return  # `max_norm * scaler.get_scale()`: a limit on the scaled gradients, on purpose
-    function, spot = payload[0], payload[1]
     report_at(CODE, spot.f_code.co_filename, spot.f_lineno, spot.f_globals,
               lambda: _message(function, scale, quoted_call(spot, f"{function}(...)")))
 
@@ -168,7 +169,7 @@ def _look(function: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
         if scaler is not None:
             frame = user_frame(sys._getframe(2))
             if frame is not None:
-                _decide(scaler, _limit(function, args, kwargs), (function, Spot(frame)))
+                _decide(scaler, _limit(function, args, kwargs), function, Spot(frame))
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
     return args, kwargs

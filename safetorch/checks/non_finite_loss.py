@@ -14,7 +14,6 @@ at the backward that reads it, naming the line of the backward that started from
 from __future__ import annotations
 
 import math
-import sys
 from types import FrameType
 from typing import Any
 
@@ -24,14 +23,11 @@ from .. import _backward, _deferred
 from .._callsite import Spot, method_call
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error, is_internal, report, report_at, user_frame
+from .._report import internal_error, report, report_at
 from .._rule import Rule
 
 CODE = "ST006"
-_getframe = sys._getframe
 _next = next
-_TENSOR_BACKWARD = torch.Tensor.backward.__code__
-_BACKWARD_CODES = _backward._BACKWARD_CODES
 
 
 class NonFiniteLossWarning(SafetorchWarning):
@@ -94,22 +90,13 @@ def _defer(t: torch.Tensor, frame: FrameType, method: str) -> None:
 
 
 def _defer_loss(t: torch.Tensor) -> bool:
-    """The usual case on an accelerator, ``loss.backward()`` from a 0-dim loss: the program's frame is the one above
-    ``Tensor.backward``, two frames from the backward patch (no walk). False when the stack is not that one."""
-    patch = _getframe(2)
-    if patch.f_code not in _BACKWARD_CODES:
+    """A 0-dim loss on an accelerator, at a looked-at backward: queue its value. False when no backward patch is on
+    the stack (then the general path decides)."""
+    caller = _backward.caller()
+    if caller is None:
         return False
-    frame: FrameType | None = patch.f_back  # never None: someone called the patch
-    assert frame is not None
-    if frame.f_code is _TENSOR_BACKWARD:
-        frame, method = frame.f_back, "backward"
-        if frame is not None and is_internal(frame.f_code):
-            frame = user_frame(frame)  # a framework's loss.backward() (Lightning's manual_backward)
-    elif is_internal(frame.f_code):
-        return True  # torch's own backward (a checkpoint's recomputation): not the program's loss
-    else:
-        method = "autograd.backward"
-    if frame is not None:
+    frame, method = _backward.origin(caller)
+    if frame is not None:  # None: torch's own backward (a checkpoint's recomputation), not the program's loss
         _deferred.check(t, _deferred_ready, (frame.f_code, frame.f_lasti, frame.f_globals, method, 1), CODE)
     return True
 
