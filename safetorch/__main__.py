@@ -8,11 +8,10 @@ workers behave as without the runner), and its exit code passes through.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
-import runpy
 import sys
-from types import TracebackType
+
+from safetorch import _launch
 
 _ENVIRONMENT = """\
 environment (read once; the options above override it):
@@ -58,24 +57,6 @@ def _fail(message: str) -> int:
     return 2
 
 
-def _hide_runner(tb: TracebackType | None) -> TracebackType | None:
-    """The program's traceback without the runner's frames (this module's and runpy's) in front of it."""
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
-                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
-        tb = tb.tb_next
-    return tb
-
-
-def _importable(module: str) -> bool:
-    sys.path.insert(0, os.getcwd())
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-    finally:
-        sys.path.pop(0)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -87,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("no script to run (see --help)")
     if module is None and not os.path.exists(args[0]):
         return _fail(f"can't open file {args[0]!r}: no such file")
-    if module is not None and not _importable(module):
+    if module is not None and not _launch.importable(module):
         return _fail(f"no module named {module!r}")
 
     # Every Python the program starts installs safetorch with the same settings and reports into this run: the
@@ -111,32 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc).removeprefix("safetorch: "))
     if ns.report is not None:
         _config.current = dataclasses.replace(_config.current, report=_config.parse_report(ns.report))
-    return _run(module, args)
-
-
-def _run(module: str | None, args: list[str]) -> int:
-    try:
-        if module is not None:
-            sys.argv = [module, *args]
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(args)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(args[0])))
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException as exc:  # the program's own exception: its traceback starts at its own code
-        return _excepthook(exc)
-    return 0
-
-
-def _excepthook(exc: BaseException) -> int:
-    """Show the program's exception as Python would have, had it run the program itself; the exit code too."""
-    tb = _hide_runner(exc.__traceback__)
-    exc.__traceback__ = tb  # the hook prints the exception's own traceback (a script that does not compile: none)
-    sys.excepthook(type(exc), exc, tb)
-    return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    return _launch.run(module, args)
 
 
 if __name__ == "__main__":
