@@ -1,16 +1,22 @@
-"""One `Config`, read once from the environment; explicit `install()` arguments override it.
+"""One `Config`, read once: each setting comes from the first of these that sets it — explicit arguments
+(`install()`, the runner's options), the environment (``SAFETORCH_*``), ``[tool.safetorch]`` in the nearest
+``pyproject.toml``, the defaults.
 
-Design rule: reading the environment never raises. A value that cannot be understood gives one
-`SafetorchConfigWarning` and is ignored; an explicit bad argument to `install()` raises `ValueError`.
+Design rule: reading the environment or a ``pyproject.toml`` never raises. A value that cannot be understood gives
+one `SafetorchConfigWarning` and is ignored; an explicit bad argument to `install()` raises `ValueError`.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
+import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from types import ModuleType
+from typing import Any
 
 from ._exceptions import SafetorchConfigWarning
 
@@ -27,15 +33,27 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
+#: How findings are shown: ``text`` (each warning in full, a one-line summary at exit), ``concise`` (warnings in one
+#: line too), ``json`` / ``sarif`` (the report as a document at exit), ``github`` (workflow commands at exit).
+FORMATS = ("text", "concise", "json", "sarif", "github")
+
+
 @dataclass(frozen=True)
 class Config:
     strict: bool = False
     disabled: bool = False
+    #: Rules switched off (codes). With `select`, every rule not selected is in here too.
     ignore: frozenset[str] = field(default_factory=frozenset)
-    #: True: print the exit summary; False: don't; a string: also write it as JSON to that path.
+    #: True: print the exit summary; False: don't; a string: also write the report to that path.
     report: bool | str = True
+    #: Only these rules are on (None: all).
+    select: frozenset[str] | None = None
+    format: str = "text"
+    #: The ``pyproject.toml`` whose ``[tool.safetorch]`` was read, if any.
+    pyproject: str | None = None
 
-    def with_overrides(self, strict: bool | None = None, ignore: Iterable[str] | str | None = None) -> Config:
+    def with_overrides(self, strict: bool | None = None, ignore: Iterable[str] | str | None = None,
+                       select: Iterable[str] | str | None = None) -> Config:
         cfg = self
         if strict is not None:
             if not isinstance(strict, bool):  # install(strict="false") must not switch strict mode on
@@ -44,7 +62,16 @@ class Config:
             cfg = replace(cfg, strict=strict)
         if ignore is not None:
             cfg = replace(cfg, ignore=parse_ignore_argument(ignore))
+        if select is not None:
+            cfg = replace(cfg, select=parse_ignore_argument(select, "select="))
         return cfg
+
+    @property
+    def off(self) -> frozenset[str]:
+        """The codes not installed: those ignored, and when there is a selection, those not selected."""
+        if self.select is None:
+            return self.ignore
+        return self.ignore | (frozenset(_rules().RULES) - self.select)
 
 
 def _flag(name: str, environ: dict[str, str] | os._Environ[str]) -> bool:
@@ -67,8 +94,9 @@ def _split(value: str) -> list[str]:
     return [t for t in value.replace(";", ",").replace(" ", ",").split(",") if t.strip()]
 
 
-def parse_ignore_argument(ignore: Iterable[str] | str) -> frozenset[str]:
-    """Codes or names given to `install(ignore=...)`; an unknown one raises ValueError naming the valid ones."""
+def parse_ignore_argument(ignore: Iterable[str] | str, what: str = "ignore=") -> frozenset[str]:
+    """Codes or names given to `install(ignore=...)` (or ``select=``); an unknown one raises ValueError naming the
+    valid ones."""
     if isinstance(ignore, str):
         tokens = _split(ignore)
     else:
@@ -79,12 +107,12 @@ def parse_ignore_argument(ignore: Iterable[str] | str) -> frozenset[str]:
     codes = set()
     for token in tokens:
         if not isinstance(token, str):
-            raise TypeError(f"safetorch: ignore= takes rule codes or names, as a string ('ST004,ST007') or an "
+            raise TypeError(f"safetorch: {what} takes rule codes or names, as a string ('ST004,ST007') or an "
                             f"iterable of strings, not {type(token).__name__} {token!r}; valid rules are "
                             f"{_rules().valid_tokens()}")
         code = _rules().resolve(token)
         if code is None:
-            raise ValueError(f"safetorch: unknown rule {token!r} in ignore=; valid rules are {_rules().valid_tokens()}")
+            raise ValueError(f"safetorch: unknown rule {token!r} in {what}; valid rules are {_rules().valid_tokens()}")
         codes.add(code)
     return frozenset(codes)
 
@@ -99,23 +127,180 @@ def parse_report(raw: str) -> bool | str:
     return value
 
 
-def from_environ(environ: dict[str, str] | os._Environ[str] | None = None) -> Config:
-    """Read the SAFETORCH_* variables. Never raises: bad values warn once each and are ignored."""
-    env = os.environ if environ is None else environ
-    ignore = set()
-    for token in _split(env.get("SAFETORCH_IGNORE", "")):
-        code = _rules().resolve(token)
+def _codes(tokens: Iterable[str], where: str, warn: Callable[[str], None] | None = None) -> frozenset[str]:
+    codes = set()
+    for token in tokens:
+        code = _rules().resolve(token) if isinstance(token, str) else None
         if code is None:
-            _warn(f"SAFETORCH_IGNORE names an unknown rule {token!r}; it is ignored. Valid: {_rules().valid_tokens()}")
+            (warn or _warn)(f"{where} names an unknown rule {token!r}; it is ignored. Valid: {_rules().valid_tokens()}")
         else:
-            ignore.add(code)
-    report = parse_report(env.get("SAFETORCH_REPORT", "1"))
-    return Config(
-        strict=_flag("SAFETORCH_STRICT", env),
-        disabled=_flag("SAFETORCH_DISABLE", env),
-        ignore=frozenset(ignore),
-        report=report,
-    )
+            codes.add(code)
+    return frozenset(codes)
+
+
+def _format(raw: str, where: str, warn: Callable[[str], None] | None = None) -> str | None:
+    value = raw.strip().lower()
+    if value in FORMATS:
+        return value
+    (warn or _warn)(f"{where}={raw!r} is not a format ({', '.join(FORMATS)}); it is ignored")
+    return None
+
+
+def from_environ(environ: dict[str, str] | os._Environ[str] | None = None, base: Config | None = None) -> Config:
+    """Read the SAFETORCH_* variables over ``base`` (the defaults, or what a ``pyproject.toml`` set). Never raises:
+    bad values warn once each and are ignored."""
+    env = os.environ if environ is None else environ
+    cfg = Config() if base is None else base
+    changes: dict[str, Any] = {}
+    if "SAFETORCH_IGNORE" in env:
+        changes["ignore"] = _codes(_split(env["SAFETORCH_IGNORE"]), "SAFETORCH_IGNORE")
+    if env.get("SAFETORCH_SELECT", "").strip():
+        changes["select"] = _codes(_split(env["SAFETORCH_SELECT"]), "SAFETORCH_SELECT")
+    if "SAFETORCH_REPORT" in env:
+        changes["report"] = parse_report(env["SAFETORCH_REPORT"])
+    if "SAFETORCH_STRICT" in env:
+        changes["strict"] = _flag("SAFETORCH_STRICT", env)
+    if env.get("SAFETORCH_FORMAT", "").strip():
+        fmt = _format(env["SAFETORCH_FORMAT"], "SAFETORCH_FORMAT")
+        if fmt is not None:
+            changes["format"] = fmt
+    changes["disabled"] = _flag("SAFETORCH_DISABLE", env)
+    return replace(cfg, **changes)
+
+
+#: ``[tool.safetorch]`` keys, each with the kind of value it takes.
+KEYS = {"ignore": "a list of rule codes or names", "select": "a list of rule codes or names",
+        "strict": "true or false", "report": "true, false or a path", "format": " | ".join(FORMATS)}
+
+#: The ``pyproject.toml`` the run's first process read, passed to its children so that they read the same one.
+PYPROJECT_ENV = "SAFETORCH_PYPROJECT"
+
+
+def find_pyproject(start: str | None = None) -> str | None:
+    """The nearest ``pyproject.toml`` with a ``[tool.safetorch]`` table, from ``start`` (the program's directory,
+    or the working directory) up to the file system's root, as ruff and pytest find theirs."""
+    directory = os.path.abspath(start or os.getcwd())
+    while True:
+        candidate = os.path.join(directory, "pyproject.toml")
+        if os.path.isfile(candidate) and _table(candidate) is not None:
+            return candidate
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return None
+        directory = parent
+
+
+def _table(path: str) -> dict[str, Any] | None:
+    """The file's ``[tool.safetorch]`` table; None when it has none, or cannot be read (then it says so)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: tomli, when installed
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            return None
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, ValueError) as exc:
+        if b"[tool.safetorch]" in _read(path):
+            _warn(f"{path} could not be read ({type(exc).__name__}: {exc}); its [tool.safetorch] is ignored")
+        return None
+    table = data.get("tool", {}).get("safetorch")
+    return table if isinstance(table, dict) else None
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def _tokens(value: Any) -> list[Any] | None:
+    if isinstance(value, str):
+        return list(_split(value))
+    if isinstance(value, list):
+        return value
+    return None
+
+
+def _warn_at(path: str, key: str | None, message: str) -> None:
+    """A warning about ``path``'s ``[tool.safetorch]``, at the line of ``key`` (or of the table): the file and line a
+    user opens to fix it."""
+    lineno, inside = 1, False
+    for number, line in enumerate(_read(path).decode("utf-8", "replace").splitlines(), 1):
+        text = line.strip()
+        if text.startswith("["):
+            inside = text.replace(" ", "") == "[tool.safetorch]"
+            if inside:
+                lineno = number
+        elif inside and key is not None and re.match(rf"[\"']?{re.escape(key)}[\"']?\s*=", text):
+            lineno = number
+            break
+    warnings.warn_explicit(f"safetorch: {message}", SafetorchConfigWarning, path, lineno)
+
+
+def from_pyproject(path: str) -> Config:
+    """The settings of ``path``'s ``[tool.safetorch]`` over the defaults. Never raises: an unknown key or a value
+    of the wrong kind warns, naming the file, and is ignored; a relative ``report`` path is the file's directory's."""
+    table = _table(path) or {}
+    where = f"{path} [tool.safetorch]"
+    changes: dict[str, Any] = {"pyproject": path}
+    for key, value in table.items():
+        if key not in KEYS:
+            _warn_at(path, key, f"{where}: unknown key {key!r}; it is ignored. Known keys: {', '.join(KEYS)}")
+            continue
+        if key in ("ignore", "select"):
+            tokens = _tokens(value)
+            if tokens is None:
+                _warn_at(path, key, f"{where}: {key} takes {KEYS[key]}, not {value!r}; it is ignored")
+                continue
+            changes[key] = _codes(tokens, f"{where} {key}", functools.partial(_warn_at, path, key))
+        elif key == "strict":
+            if isinstance(value, bool):
+                changes[key] = value
+            else:
+                _warn_at(path, key, f"{where}: strict takes true or false, not {value!r}; it is ignored")
+        elif key == "report":
+            if isinstance(value, bool):
+                changes[key] = value
+            elif isinstance(value, str) and value.strip():
+                changes[key] = os.path.join(os.path.dirname(path), value)
+            else:
+                _warn_at(path, key, f"{where}: report takes {KEYS[key]}, not {value!r}; it is ignored")
+        elif key == "format":
+            fmt = _format(value, f"{where}: format", functools.partial(_warn_at, path, key)) \
+                if isinstance(value, str) else None
+            if fmt is not None:
+                changes[key] = fmt
+            elif not isinstance(value, str):
+                _warn_at(path, key, f"{where}: format takes {KEYS[key]}, not {value!r}; it is ignored")
+    return replace(Config(), **changes)
+
+
+def _program_dir() -> str | None:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv else None)
+    if path and os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path))
+    return None
+
+
+def load(environ: dict[str, str] | os._Environ[str] | None = None, start: str | None = None) -> Config:
+    """The configuration before explicit arguments: the environment over the nearest ``[tool.safetorch]`` (the one
+    the run's first process found, in a child) over the defaults. ``SAFETORCH_PYPROJECT=0`` reads none."""
+    env = os.environ if environ is None else environ
+    given = env.get(PYPROJECT_ENV)
+    if given is not None:
+        path = None if given.strip() in _FALSE else given
+    else:
+        path = find_pyproject(start or _program_dir())
+        if environ is None and path is not None:  # the run's children read the same file, wherever they start
+            os.environ[PYPROJECT_ENV] = path
+    base = from_pyproject(path) if path else Config()
+    return from_environ(env, base)
 
 
 #: The configuration in force: set by `safetorch.install()`, read by the reporter.

@@ -38,7 +38,7 @@ _lock = threading.RLock()
 def _environment() -> _config.Config:
     global _env_config
     if _env_config is None:
-        _env_config = _config.from_environ()
+        _env_config = _config.load()
     return _env_config
 
 
@@ -84,21 +84,24 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
 _original_excepthook = None
 
 
-def install(strict: bool | None = None, ignore: Iterable[str] | str | None = None) -> None:
-    """Install every check not ignored. Explicit arguments override SAFETORCH_STRICT / SAFETORCH_IGNORE.
+def install(strict: bool | None = None, ignore: Iterable[str] | str | None = None,
+            select: Iterable[str] | str | None = None) -> None:
+    """Install every check not ignored. Explicit arguments override the environment (SAFETORCH_STRICT,
+    SAFETORCH_IGNORE, SAFETORCH_SELECT), which overrides ``[tool.safetorch]`` in the nearest ``pyproject.toml``.
 
-    ``ignore`` takes rule codes or names (``["ST004", "empty-cache-loop"]`` or ``"ST004,ST007"``); an unknown one
-    raises ValueError naming the valid rules. Calling it again changes the configuration without wrapping twice.
-    With ``SAFETORCH_DISABLE=1`` in the environment it patches nothing.
+    ``ignore`` takes rule codes or names (``["ST004", "empty-cache-loop"]`` or ``"ST004,ST007"``); ``select``
+    likewise, and then only those rules are on. An unknown one raises ValueError naming the valid rules. Calling it
+    again changes the configuration without wrapping twice. With ``SAFETORCH_DISABLE=1`` in the environment it
+    patches nothing.
     """
     global _atexit_registered, _original_excepthook
-    cfg = _environment().with_overrides(strict=strict, ignore=ignore)
+    cfg = _environment().with_overrides(strict=strict, ignore=ignore, select=select)
     with _lock:
         _config.current = cfg
         if cfg.disabled:
             return
         _run.start()  # join the run of the environment (a parent's, torchrun's job), or start one
-        wanted = {code for code in checks() if code not in cfg.ignore}
+        wanted = {code for code in checks() if code not in cfg.off}
         for code in sorted(_installed - wanted):
             _teardown(code)
         for code in sorted(wanted - _installed):
