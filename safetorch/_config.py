@@ -87,7 +87,33 @@ def _flag(name: str, environ: dict[str, str] | os._Environ[str]) -> bool:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(f"safetorch: {message}", SafetorchConfigWarning, stacklevel=2)
+    """Warn about the configuration at the program's line that reached safetorch (its ``import safetorch`` or
+    ``install()``), as other libraries' warnings point at their caller: the first frame outside this package, the
+    import machinery and ``runpy``. No fixed ``stacklevel`` says where that is: the depth from here depends on the
+    path taken (an import, ``install()``, the runner, a pyproject read). Where no such frame is (``python -m
+    safetorch``), the outermost frame of this package stands for it."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, outermost = sys._getframe(1), None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<"):  # "<frozen importlib._bootstrap>", "<frozen runpy>"; "<string>" is the user's
+            if not filename.startswith(("<frozen importlib", "<frozen runpy")):
+                break
+        elif os.path.abspath(filename).startswith(package):
+            outermost = frame
+        elif not (("importlib" in filename and "_bootstrap" in filename) or os.path.basename(filename) == "runpy.py"):
+            break
+        frame = frame.f_back
+    frame = frame or outermost
+    if frame is None:
+        warnings.warn(f"safetorch: {message}", SafetorchConfigWarning, stacklevel=2)
+        return
+    # As warnings.warn does, without module_globals: a loader that cannot serve the source (``python -c``'s
+    # BuiltinImporter) would raise from inside the warning.
+    module_globals = frame.f_globals
+    warnings.warn_explicit(f"safetorch: {message}", SafetorchConfigWarning, frame.f_code.co_filename, frame.f_lineno,
+                           module=module_globals.get("__name__", "<string>"),
+                           registry=module_globals.setdefault("__warningregistry__", {}))
 
 
 def _split(value: str) -> list[str]:

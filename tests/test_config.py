@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,36 @@ def test_environment_strict_and_ignore_apply_on_import() -> None:
            "    print('raised', e.code)\nelse:\n    print('silent')"
     assert run_python(code, env={"SAFETORCH_STRICT": "1"}).stdout.strip() == "raised ST001"
     assert run_python(code, env={"SAFETORCH_STRICT": "1", "SAFETORCH_IGNORE": "ST001"}).stdout.strip() == "silent"
+
+
+def test_a_bad_environment_value_warns_at_the_line_that_imported_safetorch(tmp_path: Path) -> None:
+    """The warning names the program's ``import safetorch``, as a library's warnings name their caller, not
+    safetorch's own file."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import safetorch\n"
+        "print(json.dumps([(w.category.__name__, w.filename, w.lineno) for w in caught]))\n"
+    )
+    proc = run_python(f"import runpy; runpy.run_path({str(script)!r})",
+                      env={"SAFETORCH_STRICT": "maybe", "SAFETORCH_IGNORE": "ST999", "SAFETORCH_REPORT": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [["SafetorchConfigWarning", str(script), 4]] * 2
+
+
+def test_a_bad_environment_value_warns_at_python_c_and_at_install() -> None:
+    """``python -W always -c "import safetorch"`` shows ``<string>:1``; a bad value met first by an explicit
+    ``install()`` names that call's line."""
+    proc = run_python("import safetorch", env={"SAFETORCH_STRICT": "maybe", "SAFETORCH_REPORT": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("<string>:1: SafetorchConfigWarning: safetorch: SAFETORCH_STRICT='maybe' is not "
+                                  "understood"), proc.stderr
+    code = ("import os, warnings\nos.environ['SAFETORCH_IGNORE'] = 'ST999'\nfrom safetorch import _install\n"
+            "_install._env_config = None\nwith warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n    _install.install()\n"
+            "print([(w.filename, w.lineno) for w in caught])")
+    proc = run_python(code, env={"SAFETORCH_REPORT": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[('<string>', 7)]"
