@@ -24,7 +24,6 @@ from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 from . import _config, _notebook, _run
-from ._callsite import getline
 from ._exceptions import SafetorchError, SafetorchInternalWarning
 
 __all__ = ["Site", "findings", "internal_error", "is_internal", "report", "report_at", "reset", "user_frame"]
@@ -199,20 +198,18 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
     )
 
 
-_SUPPRESS = re.compile(r"#\s*safetorch:\s*ignore\b(?:\[([^\]]*)\])?", re.IGNORECASE)
-
-
 def suppressed(code: str, filename: str, lineno: int, module_globals: dict[str, Any]) -> bool:
-    """True when the line says ``# safetorch: ignore[ST001]`` (codes or names, comma-separated) or a bare
-    ``# safetorch: ignore``, as ``# noqa`` does for linters. Read from the source once per call site."""
-    match = _SUPPRESS.search(getline(filename, lineno, module_globals))
-    if match is None:
-        return False
-    if match.group(1) is None:
-        return True
-    from ._rules import resolve
+    """True when a comment silences rule ``code`` at this line: ``# safetorch: ignore[ST001]`` (codes or names,
+    comma-separated), a bare ``# safetorch: ignore``, or ``# noqa: ST001``, on any line of the statement that holds
+    it or alone on the line directly above (`safetorch._suppress` says why). Read once per (file, line), when a
+    finding is about to be reported. A failure to read the comments is an internal error: the finding is reported."""
+    from . import _suppress
 
-    return code in {resolve(t) for t in re.split(r"[,\s]+", match.group(1)) if t}
+    try:
+        return _suppress.suppressed(code, filename, lineno, module_globals)
+    except Exception as exc:
+        internal_error(code, exc, "could not read the suppression comments of a line")
+        return False
 
 
 def _module_name(filename: str) -> str:
