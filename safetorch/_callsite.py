@@ -17,13 +17,17 @@ from __future__ import annotations
 import ast
 import bisect
 import dis
+import io
+import keyword
 import linecache
 import sys
+import tokenize
+from collections.abc import MutableMapping, MutableSequence
 from types import CodeType, FrameType
 from typing import Any
 
 __all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded",
-           "method_call", "quoted_call", "source_line", "trim"]
+           "method_call", "normalized", "quoted_call", "source_line", "trim"]
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
 _NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
@@ -238,10 +242,84 @@ def call_source(frame: FrameType) -> str | None:
 
 
 def quoted_call(frame: FrameType, fallback: str, limit: int = 100) -> str:
-    """The call at the frame's instruction as a message shows it (```F.dropout(x, 0.5)```, whitespace folded), or
-    ``fallback`` when its source cannot be read or is longer than ``limit``."""
+    """The call at the frame's instruction as a message shows it (```F.dropout(x, 0.5)```, on one line: see
+    `normalized`), or ``fallback`` when its source cannot be read or is longer than ``limit``."""
     call = call_source(frame)
-    return f"`{' '.join(call.split())}`" if call and len(call) <= limit else fallback
+    shown = normalized(call) if call else ""
+    return f"`{shown}`" if shown and len(shown) <= limit else fallback
+
+
+_OPENERS, _CLOSERS = frozenset("([{"), frozenset(")]}")
+_SKIPPED_TOKENS = frozenset({tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+                             tokenize.ENDMARKER})
+
+
+def normalized(text: str) -> str:
+    r"""An expression's source on one line, as a message quotes it: a call written over several lines,
+    ``x.to(\n    torch.float64,\n)``, reads ``x.to(torch.float64)``. Line breaks, indentation and comments go, and
+    so does a trailing comma before a closing bracket where it changes nothing (a call's, a list's; not the one of
+    ``(a,)`` or ``t[i,]``); there is no space just inside brackets or before a comma. Everything else stays as the
+    user wrote it (quotes, spacing around operators), unlike ``ast.unparse``, which rewrites ``d["a"]`` as
+    ``d['a']``. Source that does not tokenize has its whitespace folded."""
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(text.strip()).readline)
+                  if t.type not in _SKIPPED_TOKENS]
+    except (tokenize.TokenError, SyntaxError):
+        return " ".join(text.split())
+    lines = text.strip().splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    source = "".join(lines)
+    out: list[str] = []
+    # Per open bracket: whether a trailing comma before its closer changes nothing, and the commas seen inside it.
+    brackets: list[list[Any]] = []
+    previous: tokenize.TokenInfo | None = None
+    depth_in_string, string_start = 0, (0, 0)
+    for token in tokens:
+        kind = tokenize.tok_name.get(token.type, "")
+        if kind.endswith("STRING_START"):  # 3.12+ f-strings (3.14 t-strings) arrive in parts: copied whole
+            if depth_in_string == 0:
+                string_start = token.start
+            depth_in_string += 1
+            continue
+        if depth_in_string:
+            if kind.endswith("STRING_END"):
+                depth_in_string -= 1
+                if depth_in_string == 0:
+                    whole = source[starts[string_start[0] - 1] + string_start[1]: starts[token.end[0] - 1]
+                                   + token.end[1]]
+                    _emit(out, previous, token._replace(string=whole, start=string_start))
+                    previous = token
+            continue
+        string = token.string
+        if string in _CLOSERS and brackets:
+            droppable, commas = brackets.pop()
+            if out and out[-1] == "," and (droppable or commas >= 2):
+                out.pop()
+                if out and out[-1] == " ":
+                    out.pop()
+        elif string == "," and brackets:
+            brackets[-1][1] += 1
+        _emit(out, previous, token)
+        if string in _OPENERS:
+            called = previous is not None and (previous.string in (")", "]") or previous.type == tokenize.STRING or (
+                previous.type == tokenize.NAME and not keyword.iskeyword(previous.string)))
+            # A call's or a display's trailing comma is noise; a subscript's or a parenthesis's may make a tuple.
+            brackets.append([called if string == "(" else not called, 0])
+        previous = token
+    return "".join(out)
+
+
+def _emit(out: list[str], previous: tokenize.TokenInfo | None, token: tokenize.TokenInfo) -> None:
+    """Append ``token`` to ``out``, after the space that `normalized` keeps between it and ``previous``."""
+    if previous is not None and out:
+        string, before = token.string, out[-1]
+        tight = before[-1:] in _OPENERS or string in _CLOSERS or string == "," or (
+            previous.end[0] != token.start[0] and (string.startswith(".") or before.endswith(".")))
+        if not tight and previous.end != token.start:
+            out.append(" ")
+    out.append(token.string)
 
 
 def _simple_chain(node: ast.AST) -> bool:
@@ -250,16 +328,24 @@ def _simple_chain(node: ast.AST) -> bool:
     return isinstance(node, ast.Name)
 
 
-def _call_node(frame: FrameType) -> ast.Call | None:
-    """The call expression the frame is executing, parsed from its source (the whole line before 3.11)."""
+def _parsed_call(frame: FrameType) -> tuple[ast.Call, str] | None:
+    """The call expression the frame is executing, parsed from its source (the whole line before 3.11), with the
+    text it was parsed from (node positions point into it)."""
     text = call_source(frame)
     if text is None:
         text = source_line(frame)
+    text = text.strip()
     try:
-        node: Any = ast.parse(text.strip(), mode="eval").body
+        node: Any = ast.parse(text, mode="eval").body
     except SyntaxError:
         return None
-    return node if isinstance(node, ast.Call) else None
+    return (node, text) if isinstance(node, ast.Call) else None
+
+
+def _call_node(frame: FrameType) -> ast.Call | None:
+    """The call expression the frame is executing, parsed from its source (the whole line before 3.11)."""
+    parsed = _parsed_call(frame)
+    return parsed[0] if parsed is not None else None
 
 
 _calls: dict[int, tuple[CodeType, bool | None]] = {}
@@ -305,19 +391,115 @@ def callee(frame: FrameType) -> str | None:
     return ast.unparse(node.func) if node is not None else None
 
 
-def method_call(frame: FrameType, method: str, nargs: int) -> tuple[str | None, str | None]:
+def method_call(frame: FrameType, method: str, nargs: int, *, assignable: bool = False,
+                limit: int = 100) -> tuple[str | None, str | None]:
     """For a call ``<receiver>.<method>(...)`` at the frame's current instruction, return (receiver, call text).
 
     The receiver is given only when it is a plain name or attribute chain (``x``, ``self.scale``); a call through
     the class (``torch.Tensor.float(x)``, one more positional argument than ``nargs``) names its first argument.
+    With ``assignable``, the receiver is given when a fix can assign the result back to it (`_assignable`: also
+    ``batch["img"]`` or ``out[0]`` of a dict or list), and not for an attribute of a tensor. Both are quoted as
+    the user wrote them, on one line (`normalized`); a call longer than ``limit`` shows its arguments as ``...``.
     Either is None when the source cannot be read.
     """
-    node = _call_node(frame)
-    if node is None or not (isinstance(node.func, ast.Attribute) and node.func.attr == method):
+    parsed = _parsed_call(frame)
+    if parsed is None:
+        return None, None
+    node, text = parsed
+    if not (isinstance(node.func, ast.Attribute) and node.func.attr == method):
         return None, None
     target = node.args[0] if len(node.args) == nargs + 1 else node.func.value
-    receiver = ast.unparse(target) if _simple_chain(target) else None
-    return receiver, " ".join((call_source(frame) or source_line(frame)).split())
+    writable = _assignable(frame, target) if assignable else _simple_chain(target)
+    receiver = _segment(text, target) if writable else None
+    call = _segment(text, node)
+    if len(call) > limit:
+        call = f"{_segment(text, node.func)}(...)"
+    return receiver, call
+
+
+def _segment(text: str, node: ast.AST) -> str:
+    """The source of ``node`` in ``text``, as `normalized` quotes it."""
+    return normalized(ast.get_source_segment(text, node) or ast.unparse(node))
+
+
+_UNKNOWN = object()
+
+
+def _assignable(frame: FrameType, node: ast.AST) -> bool:
+    """Can ``<node> = <node>.float()`` be written in place of a discarded ``<node>.float()``?
+
+    A name can; so can an attribute of a name or of such a chain (``self.x``, ``out.logits``), unless its object is
+    a tensor (``x.T``, ``p.grad``: no variable of the program), and an item, by constant or name key, of a dict or
+    list the frame holds (``batch["img"]``, ``outputs[0]``, ``xs[i]``): an item of a tensor (``t[0]``) is a view,
+    and assigning to it would copy the result back into the tensor's own dtype and device; a tuple takes no item
+    assignment. The objects are read from the frame (its variables, ``getattr``, a dict's or list's items), once per
+    message; an attribute whose object cannot be read is taken as assignable, an item never is.
+    """
+    if isinstance(node, ast.Name):
+        return True
+    if isinstance(node, ast.Attribute):
+        if not _chain(node.value):
+            return False  # `make().x`: nothing of the program's holds the call's result
+        owner = _value(frame, node.value)
+        torch = sys.modules.get("torch")
+        return owner is _UNKNOWN or torch is None or not isinstance(owner, torch.Tensor)
+    if isinstance(node, ast.Subscript):
+        if not (_chain(node.value) and _key(frame, node.slice) is not _UNKNOWN):
+            return False
+        return isinstance(_value(frame, node.value), (MutableMapping, MutableSequence))
+    return False
+
+
+def _chain(node: ast.AST) -> bool:
+    """A name, or attributes and constant or name subscripts of one: an expression that reads variables only."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Subscript) and not _plain_key(node.slice):
+            return False
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+def _plain_key(node: ast.AST) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):  # out[-1]
+        node = node.operand
+    return isinstance(node, (ast.Constant, ast.Name))
+
+
+def _key(frame: FrameType, node: ast.AST) -> Any:
+    if not _plain_key(node):
+        return _UNKNOWN
+    if isinstance(node, ast.UnaryOp):
+        value = _key(frame, node.operand)
+        return -value if isinstance(value, (int, float)) else _UNKNOWN
+    return node.value if isinstance(node, ast.Constant) else _value(frame, node)
+
+
+def _value(frame: FrameType, node: ast.AST) -> Any:
+    """The object a `_chain` stands for in the frame, or `_UNKNOWN`: names are looked up as Python would (locals,
+    globals, builtins); attributes with ``getattr``, as the program's line just did; items only of a plain dict,
+    list or tuple, whose lookup runs no code of the program's (a ``defaultdict`` would insert a missing key)."""
+    if isinstance(node, ast.Name):
+        for scope in (getattr(frame, "f_locals", None), frame.f_globals, getattr(frame, "f_builtins", None)):
+            if scope is not None and node.id in scope:
+                return scope[node.id]
+        return _UNKNOWN
+    if isinstance(node, ast.Attribute):
+        owner = _value(frame, node.value)
+        if owner is _UNKNOWN:
+            return _UNKNOWN
+        try:
+            return getattr(owner, node.attr)
+        except Exception:  # a property that fails now: the program's line read it, this is only a message
+            return _UNKNOWN
+    if isinstance(node, ast.Subscript):
+        owner, key = _value(frame, node.value), _key(frame, node.slice)
+        if key is _UNKNOWN or type(owner) not in (dict, list, tuple):
+            return _UNKNOWN
+        try:
+            return owner[key]
+        except (LookupError, TypeError):
+            return _UNKNOWN
+    return _UNKNOWN
 
 
 class Spot:

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -60,3 +61,62 @@ def test_interactive_echo_is_not_a_discard() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["used", "1", "discarded"]
+
+
+@pytest.mark.parametrize(("source", "shown"), [
+    ("x.to(\n    torch.float64,\n)", "x.to(torch.float64)"),  # a call over several lines, with its trailing comma
+    ("x.to( torch.float64, )", "x.to(torch.float64)"),
+    ("x.to(  # the loss wants doubles\n    dtype=torch.float64,\n    copy=True,\n)",
+     "x.to(dtype=torch.float64, copy=True)"),
+    ('d["a"].float()', 'd["a"].float()'),  # the user's quotes, which ast.unparse would rewrite
+    ("F.dropout(self.fc(x), 0.5)", "F.dropout(self.fc(x), 0.5)"),
+    ("lambda t: t.float() + 1", "lambda t: t.float() + 1"),
+    ("x[1:2, ::3].to(\n    'cpu')", "x[1:2, ::3].to('cpu')"),
+    ("f(a\n  + b)", "f(a + b)"),
+    ("[a,\n b,\n]", "[a, b]"),
+    ("(a,)", "(a,)"),  # a tuple's one comma stays, as does a subscript's (`t[i,]` is `t[(i,)]`)
+    ("t[i,]", "t[i,]"),
+    ("t[i, j,]", "t[i, j]"),
+    ('f"{x!r} {{y}}".format(\n    z,\n)', 'f"{x!r} {{y}}".format(z)'),
+    ("unbalanced(", "unbalanced("),
+])
+def test_normalized_quotes_source_on_one_line_as_written(source: str, shown: str) -> None:
+    from safetorch._callsite import normalized
+
+    assert normalized(source) == shown
+
+
+class _Probe:
+    """Stands for a tensor: its ``float()`` records what `method_call` reads of the line that called it."""
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    def float(self) -> None:
+        from safetorch._callsite import method_call
+
+        _Probe.seen.append(method_call(sys._getframe(1), "float", 0, assignable=True))
+
+
+def test_method_call_names_a_receiver_a_fix_can_assign_to() -> None:
+    """A name, an attribute chain, an item of a dict or list by constant or name key: ``<receiver> = <call>`` can
+    be written. A call's result, an item of a tuple, an item by a computed key: nothing to assign to."""
+    p, d, xs, pair, i = _Probe(), {"a": _Probe()}, [_Probe(), _Probe()], (_Probe(),), 1
+    holder = types.SimpleNamespace(items={"k": _Probe()}, p=_Probe())
+
+    def make() -> _Probe:
+        return p
+
+    _Probe.seen.clear()
+    p.float()
+    d["a"].float()
+    xs[0].float()
+    xs[-1].float()
+    xs[i].float()
+    holder.items["k"].float()
+    holder.p.float()
+    make().float()
+    pair[0].float()
+    d["".join("a")].float()
+    assert [receiver for receiver, _ in _Probe.seen] == [
+        "p", 'd["a"]', "xs[0]", "xs[-1]", "xs[i]", 'holder.items["k"]', "holder.p", None, None, None]
+    assert [call for _, call in _Probe.seen][-3:] == ["make().float()", "pair[0].float()", 'd["".join("a")].float()']
