@@ -7,6 +7,8 @@ import dis
 import io
 import multiprocessing
 import pickle
+import re
+import warnings
 
 import pytest
 import torch
@@ -17,6 +19,11 @@ from safetorch import DiscardedConversionWarning, SafetorchError
 from safetorch.checks.discarded_conversion import METHODS
 
 from .conftest import findings, lineno
+
+
+def _text(w: warnings.WarningMessage) -> str:
+    """A finding's message without the pointer to the rule's page the reporter ends it with, where it does."""
+    return re.sub(r" \(safetorch explain ST\d+\)$", "", str(w.message))
 
 # (method, args) for every wrapped method that runs on a CPU-only build.
 CPU_CALLS = [
@@ -80,7 +87,71 @@ def test_message_for_a_receiver_that_is_not_a_name() -> None:
 
     with findings() as got:
         make().double()
-    assert str(got[0].message).endswith("the tensor is unchanged. Write: y = make().double()")
+    assert _text(got[0]) == (
+        "ST001 make().double() returns a copy and its result is discarded; the tensor is unchanged. Assign the result "
+        "to a name and use that: <name> = make().double()")
+
+
+def test_an_item_of_a_dict_or_list_is_assigned_back() -> None:
+    d, out, xs = {"a": torch.ones(2)}, [torch.ones(2)], [torch.ones(2), torch.ones(2)]
+
+    class Batch:
+        def __init__(self) -> None:
+            self.cache = {"img": torch.ones(2)}
+
+    self = Batch()
+    with findings() as got:
+        d["a"].float()
+        out[0].double()
+        out[-1].half()
+        self.cache["img"].to(torch.float64)
+        for i in range(2):
+            xs[i].bool()
+    assert [_text(w).split("Write: ")[1] for w in got] == [
+        'd["a"] = d["a"].float()', "out[0] = out[0].double()", "out[-1] = out[-1].half()",
+        'self.cache["img"] = self.cache["img"].to(torch.float64)', "xs[i] = xs[i].bool()"]
+    assert _text(got[0]) == ('ST001 d["a"].float() returns a copy and its result is discarded; d["a"] is '
+                                   'unchanged. Write: d["a"] = d["a"].float()')
+
+
+def test_what_cannot_take_the_result_gets_a_placeholder_not_a_variable() -> None:
+    """An item of a tensor is a view (assigning to it copies back into the tensor's dtype), a tuple takes no item
+    assignment, an attribute of a tensor is no variable of the program's."""
+    t, pair, x = torch.ones(2, 3), (torch.ones(2), torch.ones(2)), torch.ones(2)
+    with findings() as got:
+        t[0].double()
+        pair[0].double()
+        x.data.double()
+        t[1:].double()
+    assert [_text(w).split("; ", 1)[1] for w in got] == [
+        f"the tensor is unchanged. Assign the result to a name and use that: <name> = {call}"
+        for call in ("t[0].double()", "pair[0].double()", "x.data.double()", "t[1:].double()")]
+
+
+def test_a_call_over_several_lines_is_quoted_on_one_line() -> None:
+    x = torch.ones(2)
+    with findings() as got:
+        x.to(  # the dtype the loss needs
+            torch.float64,
+        ); line = lineno() - 2  # noqa: E702
+        x.to(device="cpu",
+             dtype=torch.float16)
+    assert [w.lineno for w in got] == [line, line + 3]
+    assert [_text(w) for w in got] == [
+        "ST001 x.to(torch.float64) returns a copy and its result is discarded; x is unchanged. "
+        "Write: x = x.to(torch.float64)",
+        'ST001 x.to(device="cpu", dtype=torch.float16) returns a copy and its result is discarded; x is unchanged. '
+        'Write: x = x.to(device="cpu", dtype=torch.float16)']
+
+
+def test_a_long_call_shows_its_arguments_as_an_ellipsis() -> None:
+    activations_of_the_second_encoder_block = torch.ones(2)
+    with findings() as got:
+        activations_of_the_second_encoder_block.to(dtype=torch.float64, non_blocking=False, copy=True,
+                                                   memory_format=torch.preserve_format)
+    assert _text(got[0]).endswith(
+        "activations_of_the_second_encoder_block is unchanged. Write: activations_of_the_second_encoder_block = "
+        "activations_of_the_second_encoder_block.to(...)")
 
 
 def test_parameter_is_checked() -> None:

@@ -47,14 +47,19 @@ _is_compiling = is_compiling
 
 
 def _message(frame: FrameType, method: str, nargs: int) -> str:
+    """The fix assigns the result back to what the program converted (``x``, ``self.x``, ``batch["img"]``), the line
+    a user pastes in place of theirs. Where nothing of the program's can take it (``make().float()``, ``t[0]`` of a
+    tensor, an item of a tuple), it says so, with ``<name>`` as a visible placeholder rather than a made-up
+    variable that reads as one of theirs."""
     what = "returns a new tensor" if method == "detach" else "returns a copy"
-    receiver, call = method_call(frame, method, nargs)
+    receiver, call = method_call(frame, method, nargs, assignable=True)
     if receiver is not None:
         return f"{CODE} {call} {what} and its result is discarded; {receiver} is unchanged. Write: {receiver} = {call}"
     if call is not None:
-        return f"{CODE} {call} {what} and its result is discarded; the tensor is unchanged. Write: y = {call}"
+        return (f"{CODE} {call} {what} and its result is discarded; the tensor is unchanged. Assign the result to a "
+                f"name and use that: <name> = {call}")
     return (f"{CODE} tensor.{method}() {what} and its result is discarded; the tensor is unchanged. "
-            f"Assign the result: x = x.{method}(...)")
+            f"Assign the result to a name and use that: <name> = <tensor>.{method}(...)")
 
 
 class _Conversion(MethodPatch):
