@@ -30,7 +30,7 @@ def pytest_configure(config: Any) -> None:
     import safetorch
     from safetorch import _report
 
-    safetorch.install(strict=strict)
+    safetorch.install(strict=True if strict else None)  # not strict: SAFETORCH_STRICT or [tool.safetorch] decide
     _report.summary_by_host = True  # the summary goes into pytest's own, below, not after its last line
     config.addinivalue_line("markers", "safetorch: safetorch's checks are installed for this run")
 

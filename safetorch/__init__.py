@@ -1,7 +1,8 @@
 """safetorch: PyTorch's classic pitfalls caught at the line that makes them. ``import safetorch`` installs every check.
 
 Public surface (design.md): `install`, `uninstall`, `SafetorchWarning` and one subclass per rule,
-`SafetorchError`. Set ``SAFETORCH_DISABLE=1`` to make the import patch nothing.
+`SafetorchError`; for scoped and interactive use `ignore`, `findings`, `reset`, `Finding`. Set
+``SAFETORCH_DISABLE=1`` to make the import patch nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from ._install import install as install
 from ._install import installed_checks as installed_checks
 from ._install import uninstall as uninstall
 from ._rules import RULES as RULES
+from ._scoped import Finding as Finding
+from ._scoped import findings as findings
+from ._scoped import ignore as ignore
+from ._scoped import reset as reset
 
 
 def _version() -> str:
@@ -36,15 +41,19 @@ globals().update(_RULE_WARNINGS)
 
 __all__ = [
     "RULES",
+    "Finding",
     "SafetorchConfigWarning",
     "SafetorchError",
     "SafetorchInternalWarning",
     "SafetorchWarning",
     *sorted(_RULE_WARNINGS),
+    "findings",
     "functional",
+    "ignore",
     "install",
     "installed_checks",
     "nn",
+    "reset",
     "uninstall",
 ]
 

@@ -306,12 +306,19 @@ def from_pyproject(path: str) -> Config:
     return replace(Config(), **changes)
 
 
-def _program_dir() -> str | None:
+def _starts() -> list[str]:
+    """Where to look for the ``pyproject.toml``: the program's directory (a script's, as ruff starts from the file),
+    unless the program is an installed tool (pytest, torchrun: ``__main__`` in site-packages), then the working
+    directory (as pytest starts from it)."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv else None)
+    starts = []
     if path and os.path.isfile(path):
-        return os.path.dirname(os.path.abspath(path))
-    return None
+        directory = os.path.dirname(os.path.abspath(path))
+        if not {"site-packages", "dist-packages"} & set(directory.split(os.sep)):
+            starts.append(directory)
+    starts.append(os.getcwd())
+    return starts
 
 
 def load(environ: dict[str, str] | os._Environ[str] | None = None, start: str | None = None) -> Config:
@@ -322,7 +329,11 @@ def load(environ: dict[str, str] | os._Environ[str] | None = None, start: str | 
     if given is not None:
         path = None if given.strip() in _FALSE else given
     else:
-        path = find_pyproject(start or _program_dir())
+        path = None
+        for directory in [start] if start else _starts():
+            path = find_pyproject(directory)
+            if path is not None:
+                break
         if environ is None and path is not None:  # the run's children read the same file, wherever they start
             os.environ[PYPROJECT_ENV] = path
     base = from_pyproject(path) if path else Config()

@@ -12,14 +12,15 @@ Design rules:
 
 from __future__ import annotations
 
-import json
+import contextvars
 import os
 import re
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -113,6 +114,27 @@ class Site:
     #: The warning filters the site was last found ignored under: ``warnings.filters`` itself (held, so that a new
     #: list cannot take its id), its length and first entry.
     ignored_under: tuple[Any, int, Any] | None = None
+    #: This process printed its warning (in full, or in one line under ``format = "concise"``).
+    warned: bool = False
+    #: When it was first found (seconds since the epoch).
+    first_seen: float = field(default_factory=time.time)
+
+
+#: The rules switched off in the current thread or task by ``with safetorch.ignore(...)`` / ``@safetorch.ignore``.
+scoped_off: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("safetorch_ignore", default=frozenset())
+
+
+def explain_hint(code: str) -> str:
+    """What every message ends with: where the rule's page is."""
+    return f"(safetorch explain {code})"
+
+
+def first_clause(code: str, message: str) -> str:
+    """A message's first clause, without its code: the one line of a concise warning or of the exit summary."""
+    text = message.splitlines()[0].removeprefix(code).strip()
+    text = text.removesuffix(explain_hint(code)).rstrip()
+    cut = min((i for i in (text.find("; "), text.find(". "), text.find(": ")) if i >= 20), default=len(text))
+    return text[:cut].rstrip(".;")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -150,6 +172,9 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
               message: str | Callable[[], str]) -> None:
     """`report` for a line remembered earlier (ST006 on CUDA reports a step after the line ran)."""
     __tracebackhide__ = True  # noqa: F841
+    scoped = scoped_off.get()
+    if scoped and code in scoped:
+        return  # inside `with safetorch.ignore(code)` in this thread or task
     if rule_off(code, filename, lineno, module_globals):
         return  # a warnings filter names this rule here: it is off, as SAFETORCH_IGNORE would switch it off
     key = (code, filename, lineno)
@@ -167,12 +192,13 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         text = message() if callable(message) else message
         if _WORLD > 1 and _rule(code).per_rank:
             text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
+        text = f"{text.rstrip()} {explain_hint(code)}"
         shown_as = _notebook.cell_name(filename) or filename  # `Cell In[5]` for a Jupyter cell
         with _lock:
             site = _sites.setdefault(key, Site(code, shown_as, lineno, text, rank=_RANK if _WORLD > 1 else None))
         if not _run.torchrun() and not _run.claim(code, site.filename, lineno):
             site.shown = True  # another process of the run (a worker, the parent) shows this site's warning
-        _run.record(code, site.filename, lineno, site.message, 1)  # written now: a child may end by os._exit
+        _run.record(code, site.filename, lineno, site.message, 1, site.first_seen)  # now: a child may os._exit
     rule = _rule(code)
     if strict:  # every rank raises; the site stays in the summary and the JSON report
         site.shown = True
@@ -185,9 +211,10 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
     module = module_globals.get("__name__") or _module_name(filename)
     if _ignored(site, rule.category, module):
         return
-    site.shown = True  # before the call: a filter set to "error" raises the warning, which counts as shown
+    site.shown = site.warned = True  # before the call: a filter set to "error" raises the warning: it was shown
+    concise = _config.current.format == "concise"
     warnings.warn_explicit(
-        site.message,
+        f"{code} {first_clause(code, site.message)} {explain_hint(code)}" if concise else site.message,
         rule.category,
         site.filename,
         lineno,
@@ -350,6 +377,17 @@ def _without_data(exc: BaseException) -> bool:
     return fake_mode_active() or type(exc).__module__.startswith("torch._subclasses")
 
 
+def found_in_run() -> int:
+    """How many sites the run found so far: this process's and, for the run's owner, its other processes'."""
+    try:
+        from . import _deferred
+
+        _deferred.poll(wait=True)
+    except Exception:
+        pass
+    return len(findings()) + len(_from_others())
+
+
 def findings() -> list[Site]:
     """Every call site reported so far, in order of first occurrence (``# safetorch: ignore``'d lines left out)."""
     return [s for s in _sites.values() if not s.suppressed]
@@ -375,6 +413,9 @@ def prune_traceback(tb: TracebackType | None) -> TracebackType | None:
         last_user.tb_next = None
     return tb
 
+
+#: The runner exits 1 because of the findings (the program itself succeeded): the summary says so.
+failing_exit = False
 
 #: A host prints the summary itself (pytest's plugin, in its terminal summary): at exit, only the JSON is written.
 summary_by_host = False
@@ -413,29 +454,48 @@ def format_summary(others: list[dict[str, Any]] | None = None) -> str:
     if ranks:
         head += f"; {len(ranks)} more from other ranks so far (in their summaries and the JSON report)"
     lines = [head]
-    for s in sites:
-        text = s.message.splitlines()[0].removeprefix(s.code).strip()
+    for s in sites:  # a warning shown in full is one line here: where, how often, what
+        text = first_clause(s.code, s.message) if s.warned else s.message.splitlines()[0].removeprefix(s.code).strip()
         lines.append(f"  {s.code} {s.filename}:{s.lineno} (x{s.count}): {text}")
     for e in others:
         text = e["message"].splitlines()[0].removeprefix(e["code"]).strip()
         where = ", ".join(f"rank {r}" for r in e["ranks"]) if e.get("ranks") else \
             ", ".join(f"pid {p}" for p in e["pids"])
         lines.append(f"  {e['code']} {e['file']}:{e['line']} (x{e['count']}, {where}): {text}")
+    if failing_exit:
+        lines.append("safetorch: exit status 1 for these findings (the program itself succeeded; --exit-zero: 0)")
     return "\n".join(lines)
 
 
-def write_json(path: str) -> None:
-    """Every finding as a JSON list (``[]`` when there is none): this process's, merged with those of every other
-    process of the run when there is a run directory."""
+def _local_entries() -> list[dict[str, Any]]:
+    return [{"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message,
+             "pids": [os.getpid()], "ranks": [] if s.rank is None else [s.rank], "first_seen": s.first_seen}
+            for s in findings()]
+
+
+def _version() -> str:
+    package = sys.modules.get("safetorch")
+    return str(getattr(package, "__version__", "0+unknown"))
+
+
+def document(fmt: str) -> str:
+    """Every finding of the run (this process's, merged with every other process's when there is a run directory)
+    as a ``json`` list (``[]`` when there is none), a ``sarif`` log or ``github`` workflow commands."""
+    from . import _formats
+
+    raw = _run.merged() if _run.directory() is not None else _local_entries()
+    return _formats.render(fmt, raw, _version())
+
+
+def write_json(path: str, fmt: str = "json") -> None:
+    """Write `document` to ``path`` (under the run's lock when there is a run directory, atomically)."""
     if _run.directory() is not None:
-        _run.write_report(path)
+        from . import _formats
+
+        _run.write_report(path, lambda raw: _formats.render(fmt, raw, _version()))
         return
-    data: list[dict[str, Any]] = [
-        {"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message}
-        for s in findings() if not s.suppressed
-    ]
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
+        fh.write(document(fmt))
 
 
 def exit_summary() -> None:
@@ -452,7 +512,7 @@ def exit_summary() -> None:
     try:
         for site in list(_sites.values()):  # each site's final count, for the run's report
             if not site.suppressed and site.count > 1:
-                _run.record(site.code, site.filename, site.lineno, site.message, site.count)
+                _run.record(site.code, site.filename, site.lineno, site.message, site.count, site.first_seen)
         cfg = _config.current
         if not _run.owner():  # a child or worker of the run: the process that owns it reports
             _run.finish()
@@ -462,10 +522,17 @@ def exit_summary() -> None:
             return
         if isinstance(cfg.report, str):
             try:
-                write_json(cfg.report)
+                write_json(cfg.report, "sarif" if cfg.format == "sarif" else "json")
             except (OSError, ValueError) as exc:
-                print(f"safetorch: SAFETORCH_REPORT={cfg.report!r}: the JSON report could not be written "
+                print(f"safetorch: the report {cfg.report!r} could not be written "
                       f"({type(exc).__name__}: {exc}); the summary follows.", file=sys.stderr)
+        if cfg.format == "github" or (cfg.format in ("json", "sarif") and not isinstance(cfg.report, str)):
+            # The document is the summary: on stdout, after the program's own output, for a tool to read.
+            text = document(cfg.format)
+            if text and (_RANK == 0 or not _run.torchrun()):  # under torchrun, rank 0 prints the job's
+                print(text, flush=True)
+            _run.finish()
+            return
         others = _from_others()
         mine = any((shown_here(s) or _only_here(s)) and not s.suppressed for s in _sites.values())
         if not mine and not (others and not _run.torchrun()):

@@ -25,7 +25,7 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 ENV = "SAFETORCH_RUN_DIR"
@@ -101,7 +101,7 @@ def _rank() -> int | None:
         return None
 
 
-def record(code: str, filename: str, lineno: int, message: str, count: int) -> None:
+def record(code: str, filename: str, lineno: int, message: str, count: int, first_seen: float | None = None) -> None:
     """Append one site of this process to its part, flushed: a first occurrence, or a final count."""
     try:
         with _lock:
@@ -109,7 +109,8 @@ def record(code: str, filename: str, lineno: int, message: str, count: int) -> N
             if part is None:
                 return
             part.write(json.dumps({"code": code, "file": filename, "line": lineno, "message": message,
-                                   "count": count, "pid": os.getpid(), "rank": _rank()}) + "\n")
+                                   "count": count, "pid": os.getpid(), "rank": _rank(),
+                                   "first_seen": first_seen}) + "\n")
             part.flush()
     except (OSError, ValueError, TypeError):
         pass
@@ -189,6 +190,9 @@ def merged() -> list[dict[str, Any]]:
         rank = e.get("rank")
         if rank is not None and rank not in entry["ranks"]:
             entry["ranks"].append(rank)
+        seen = e.get("first_seen")
+        if isinstance(seen, (int, float)) and (entry.get("first_seen") is None or seen < entry["first_seen"]):
+            entry["first_seen"] = seen
     for key, entry in sites.items():
         entry["count"] = sum(counts[key].values())
         entry["pids"].sort()
@@ -214,15 +218,15 @@ def _exclusive() -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def write_report(path: str) -> None:
-    """Merge every part into ``path`` as a JSON list, atomically (a temporary file, then a rename)."""
+def write_report(path: str, render: Callable[[list[dict[str, Any]]], str]) -> None:
+    """Merge every part into ``path``, rendered by ``render``, atomically (a temporary file, then a rename)."""
     directory = os.path.dirname(os.path.abspath(path))
     with _exclusive():
-        data = merged()
+        text = render(merged())
         fd, tmp = tempfile.mkstemp(prefix=".safetorch-", suffix=".json", dir=directory)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(data, fh, indent=2)
+                fh.write(text)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import textwrap
@@ -32,7 +33,7 @@ def test_strict_traceback_ends_on_the_users_line(tmp_path: os.PathLike[str]) -> 
     assert lines[error + 1:] == [  # strict mode's findings are in the exit summary (and JSON report) too
         "safetorch: 1 finding(s) at 1 occurrence(s)",
         f"  ST001 {script}:5 (x1): x.double() returns a copy and its result is discarded; x is unchanged. "
-        "Write: x = x.double()"]
+        "Write: x = x.double() (safetorch explain ST001)"]  # raised, never shown as a warning: in full
     frames = [ln for ln in lines[:error] if ln.startswith('  File "')]
     assert frames[-1] == f'  File "{script}", line 5, in <module>'
     assert "done" not in proc.stdout
@@ -62,9 +63,14 @@ def test_exit_summary_and_json(tmp_path: os.PathLike[str]) -> None:
     with open(report) as fh:
         data = json.load(fh)
     pids = data[0].pop("pids")  # the processes of the run that reported it: this one
-    assert len(pids) == 1 and isinstance(pids[0], int)
-    assert data == [{"code": "ST001", "file": script, "line": 5, "count": 3, "message": data[0]["message"]}]
+    assert len(pids) == 1 and isinstance(pids[0], int) and data[0].pop("pid") == pids[0]
+    first_seen = datetime.datetime.fromisoformat(data[0].pop("first_seen"))
+    assert abs((datetime.datetime.now(datetime.timezone.utc) - first_seen).total_seconds()) < 600
+    assert data == [{"rule": "ST001", "name": "discarded-conversion", "path": script, "abspath": script, "line": 5,
+                     "count": 3, "rank": None, "ranks": [], "message": data[0]["message"],
+                     "code": "ST001", "file": script}]
     assert data[0]["message"].startswith("ST001 x.double()")
+    assert data[0]["message"].endswith("Write: x = x.double() (safetorch explain ST001)")
     silent = run_python(f"import runpy; runpy.run_path({script!r}, run_name='__main__')",
                         env={"SAFETORCH_REPORT": "0"})
     assert "safetorch:" not in silent.stderr

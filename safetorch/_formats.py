@@ -1,0 +1,126 @@
+"""The report as a document: JSON (safetorch's own), SARIF 2.1.0 (code-scanning tools, editors) and GitHub workflow
+commands (annotations on a pull request's lines).
+
+Each renders the same entries: one per call site of the whole run (every process merged), as `entries` returns them.
+Nothing here runs before the program's exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from typing import Any
+
+__all__ = ["entries", "github", "render", "sarif"]
+
+SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
+
+
+def _rules() -> dict[str, Any]:
+    from ._rules import RULES
+
+    return RULES
+
+
+def _iso(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each site as the JSON report has it: ``rule`` and ``name``; ``path`` as the program named its file,
+    ``abspath``; ``line``; ``count`` over every process; ``pid``/``pids`` and ``rank``/``ranks`` of the processes
+    that found it; ``first_seen`` (ISO 8601, UTC); ``message``. ``code`` and ``file`` repeat ``rule`` and
+    ``path`` (the names of the report's first version)."""
+    rules = _rules()
+    out = []
+    for e in raw:
+        code, path = e["code"], e["file"]
+        pids = sorted(p for p in e.get("pids", []) if p is not None)
+        ranks = sorted(r for r in e.get("ranks", []) if r is not None)
+        rule = rules.get(code)
+        out.append({
+            "rule": code, "name": rule.name if rule is not None else None,
+            "path": path, "abspath": os.path.abspath(path) if not path.startswith("<") else path,
+            "line": e["line"], "count": e["count"],
+            "pid": pids[0] if pids else None, "pids": pids,
+            "rank": ranks[0] if ranks else None, "ranks": ranks,
+            "first_seen": _iso(e.get("first_seen")),
+            "message": e["message"],
+            "code": code, "file": path,
+        })
+    return out
+
+
+def _relative(path: str) -> str:
+    """A path as a repository's tools name it: relative to the working directory when inside it."""
+    if path.startswith("<"):
+        return path
+    absolute = os.path.abspath(path)
+    try:
+        rel = os.path.relpath(absolute)
+    except ValueError:  # another drive (Windows)
+        return absolute
+    return absolute if rel.startswith("..") else rel
+
+
+def sarif(items: list[dict[str, Any]], version: str) -> dict[str, Any]:
+    """A SARIF 2.1.0 log of one run: every rule in the driver, one result per site (its count in ``properties``)."""
+    rules = list(_rules().values())
+    index = {r.code: i for i, r in enumerate(rules)}
+    results = []
+    for e in items:
+        uri = _relative(e["path"]).replace(os.sep, "/")
+        location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri},
+                                                         "region": {"startLine": max(1, int(e["line"]))}}}
+        if not os.path.isabs(uri) and not uri.startswith("<"):
+            location["physicalLocation"]["artifactLocation"]["uriBaseId"] = "%SRCROOT%"
+        result: dict[str, Any] = {"ruleId": e["rule"], "level": "warning", "message": {"text": e["message"]},
+                                  "locations": [location],
+                                  "properties": {"count": e["count"], "pids": e["pids"], "ranks": e["ranks"]}}
+        if e["rule"] in index:
+            result["ruleIndex"] = index[e["rule"]]
+        results.append(result)
+    driver = {
+        "name": "safetorch", "version": version,
+        "rules": [{"id": r.code, "name": r.name, "shortDescription": {"text": r.summary},
+                   "help": {"text": f"docs/rules/{r.code}.md, or run: safetorch explain {r.code}"},
+                   "defaultConfiguration": {"level": "warning"}} for r in rules],
+    }
+    run: dict[str, Any] = {"tool": {"driver": driver}, "results": results}
+    cwd = os.getcwd().replace(os.sep, "/")
+    run["originalUriBaseIds"] = {"%SRCROOT%": {"uri": "file://" + ("" if cwd.startswith("/") else "/") + cwd + "/"}}
+    return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
+
+
+def _escape_data(text: str) -> str:
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_property(text: str) -> str:
+    return _escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def github(items: list[dict[str, Any]]) -> str:
+    """One ``::warning file=…,line=…,title=…::message`` workflow command per site: GitHub Actions shows each as an
+    annotation on that line of the pull request."""
+    lines = []
+    for e in items:
+        title = f"{e['rule']} {e['name'] or ''}".strip()
+        if e["count"] > 1:
+            title += f" (x{e['count']})"
+        lines.append(f"::warning file={_escape_property(_relative(e['path']))},line={e['line']},"
+                     f"title={_escape_property(title)}::{_escape_data(e['message'])}")
+    return "\n".join(lines)
+
+
+def render(fmt: str, raw: list[dict[str, Any]], version: str) -> str:
+    """The report in ``fmt`` (json, sarif or github) as text."""
+    items = entries(raw)
+    if fmt == "sarif":
+        return json.dumps(sarif(items, version), indent=2)
+    if fmt == "github":
+        return github(items)
+    return json.dumps(items, indent=2)

@@ -1,0 +1,260 @@
+"""The command line as CI and a terminal use it: subcommands, exit status, output formats, ``[tool.safetorch]``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import safetorch
+
+from .conftest import ROOT
+
+BUGGY = textwrap.dedent("""\
+    import torch
+    x = torch.ones(2)
+    for _ in range(3):
+        x.double()
+    model = torch.nn.Linear(2, 2).eval()
+    for _ in range(3):
+        y = model(x)
+    print("done")
+""")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def _safetorch(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "safetorch", *args], capture_output=True, text=True, cwd=cwd,
+                          env=_env(**env), timeout=300)
+
+
+@pytest.fixture
+def buggy(tmp_path: os.PathLike[str]) -> str:
+    path = os.path.join(tmp_path, "train.py")
+    with open(path, "w") as fh:
+        fh.write(BUGGY)
+    return path
+
+
+def test_version_rules_and_explain(tmp_path: os.PathLike[str]) -> None:
+    version = _safetorch(["--version"], str(tmp_path))
+    assert version.returncode == 0 and version.stdout.split()[-1] == safetorch.__version__
+    rules = _safetorch(["rules"], str(tmp_path))
+    assert rules.returncode == 0
+    lines = rules.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(safetorch.RULES)
+    # aligned: every summary starts in the same column, however long the rule's name
+    columns = {ln.index(r.summary) for ln, r in zip(lines, safetorch.RULES.values(), strict=True)}
+    assert len(columns) == 1
+    page = _safetorch(["explain", "eval-mode-grad"], str(tmp_path))
+    with open(os.path.join(ROOT, "docs", "rules", "ST003.md")) as fh:
+        assert page.returncode == 0 and page.stdout.strip() == fh.read().strip()
+    unknown = _safetorch(["explain", "ST03"], str(tmp_path))
+    assert unknown.returncode == 2 and "unknown rule 'ST03'" in unknown.stderr and "ST003 (eval-mode-grad)" in \
+        unknown.stderr
+
+
+def test_double_dash_runs_a_script_named_like_a_subcommand(tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "rules"), "w") as fh:
+        fh.write("import sys; print('script ran', sys.argv)\n")
+    proc = _safetorch(["--", "rules", "--lr", "1"], str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "script ran ['rules', '--lr', '1']" in proc.stdout
+
+
+def test_exit_status_follows_findings_unless_the_program_fails(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    found = _safetorch([buggy], str(tmp_path))
+    assert found.returncode == 1 and "done" in found.stdout
+    assert "exit status 1 for these findings" in found.stderr and "--exit-zero" in found.stderr
+    assert _safetorch(["--exit-zero", buggy], str(tmp_path)).returncode == 0
+    assert _safetorch(["--select", "ST005", buggy], str(tmp_path)).returncode == 0  # nothing selected fired
+    failing = os.path.join(tmp_path, "fails.py")
+    with open(failing, "w") as fh:
+        fh.write(BUGGY + "raise SystemExit(3)\n")
+    assert _safetorch([failing], str(tmp_path)).returncode == 3  # the program's own status wins
+    clean = os.path.join(tmp_path, "clean.py")
+    with open(clean, "w") as fh:
+        fh.write("import torch\nx = torch.ones(2).double()\nraise SystemExit(0)\n")
+    assert _safetorch([clean], str(tmp_path)).returncode == 0
+
+
+def test_select_and_ignore_errors_name_the_option(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    proc = _safetorch(["--ignore", "ST03", buggy], str(tmp_path))
+    assert proc.returncode == 2 and "error: --ignore: unknown rule 'ST03'" in proc.stderr and "ignore=" not in \
+        proc.stderr
+    proc = _safetorch(["--select", "nope", buggy], str(tmp_path))
+    assert proc.returncode == 2 and "error: --select: unknown rule 'nope'" in proc.stderr
+    only = _safetorch(["--select", "ST003", "--exit-zero", buggy], str(tmp_path))
+    assert "ST003" in only.stderr and "ST001" not in only.stderr
+
+
+def test_messages_end_with_their_rule_page_and_the_summary_is_one_line_each(buggy: str,
+                                                                            tmp_path: os.PathLike[str]) -> None:
+    proc = _safetorch([buggy], str(tmp_path))
+    warning = next(ln for ln in proc.stderr.splitlines() if "DiscardedConversionWarning" in ln)
+    assert warning.endswith("Write: x = x.double() (safetorch explain ST001)")
+    summary = proc.stderr[proc.stderr.index("safetorch: 2 finding(s)"):].splitlines()
+    assert summary[1] == f"  ST001 {buggy}:4 (x3): x.double() returns a copy and its result is discarded"
+    assert summary[2].startswith(f"  ST003 {buggy}:7 (x1): model (Linear) is in eval mode with autograd on")
+    assert summary[2].endswith("(x1): model (Linear) is in eval mode with autograd on")  # its first clause only
+
+
+def test_concise_format_prints_each_warning_in_one_line(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    proc = _safetorch(["--format", "concise", buggy], str(tmp_path))
+    warnings = [ln for ln in proc.stderr.splitlines() if "Warning: ST0" in ln]
+    assert warnings == [
+        f"{buggy}:4: DiscardedConversionWarning: ST001 x.double() returns a copy and its result is discarded "
+        "(safetorch explain ST001)",
+        f"{buggy}:7: EvalModeGradWarning: ST003 model (Linear) is in eval mode with autograd on "
+        "(safetorch explain ST003)"]
+
+
+def test_github_format_is_workflow_commands(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    proc = _safetorch(["--format", "github", "train.py"], str(tmp_path))
+    assert proc.returncode == 1
+    commands = [ln for ln in proc.stdout.splitlines() if ln.startswith("::")]
+    assert len(commands) == 2
+    parsed = []
+    unescape = {"%25": "%", "%0D": "\r", "%0A": "\n", "%3A": ":", "%2C": ","}
+
+    def unquote(value: str) -> str:
+        return re.sub("%25|%0D|%0A|%3A|%2C", lambda m: unescape[m[0]], value)
+
+    for line in commands:
+        match = re.fullmatch(r"::warning (?P<props>[^:]*)::(?P<message>.*)", line)
+        assert match is not None, line
+        props = dict(p.split("=", 1) for p in match["props"].split(","))
+        props = {k: unquote(v) for k, v in props.items()}
+        parsed.append((props, match["message"]))
+    assert parsed[0][0] == {"file": "train.py", "line": "4", "title": "ST001 discarded-conversion (x3)"}
+    assert parsed[0][1].startswith("ST001 x.double() returns a copy")
+    assert parsed[1][0]["title"] == "ST003 eval-mode-grad" and parsed[1][0]["line"] == "7"
+
+
+def test_json_report_fields(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    proc = _safetorch(["--format", "json", "--exit-zero", "train.py"], str(tmp_path))
+    data = json.loads(proc.stdout[proc.stdout.index("["):])
+    assert [(e["rule"], e["name"], e["line"], e["count"]) for e in data] == [
+        ("ST001", "discarded-conversion", 4, 3), ("ST003", "eval-mode-grad", 7, 1)]
+    for entry in data:
+        assert entry["abspath"] == buggy and os.path.isabs(entry["abspath"])
+        assert entry["pids"] == [entry["pid"]] and entry["rank"] is None
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", entry["first_seen"])
+        assert entry["message"].endswith(f"(safetorch explain {entry['rule']})")
+
+
+def _sarif_schema() -> dict[str, object]:
+    """The parts of the SARIF 2.1.0 schema (OASIS, sarif-schema-2.1.0.json) that describe what safetorch writes,
+    with each object closed (``additionalProperties: false``, as the schema has them), so that a misspelt or
+    misplaced property fails. The full schema is not installable from the package index."""
+    def obj(required: list[str], **props: object) -> dict[str, object]:
+        return {"type": "object", "additionalProperties": False, "required": required, "properties": props}
+
+    message = obj(["text"], text={"type": "string"})
+    multiformat = obj(["text"], text={"type": "string"}, markdown={"type": "string"})
+    bag = {"type": "object"}
+    rule = obj(["id"], id={"type": "string"}, name={"type": "string"}, shortDescription=multiformat,
+               help=multiformat, defaultConfiguration=obj([], level={"enum": ["none", "note", "warning", "error"]}))
+    location = obj([], physicalLocation=obj(
+        [], artifactLocation=obj([], uri={"type": "string", "format": "uri-reference"}, uriBaseId={"type": "string"}),
+        region=obj([], startLine={"type": "integer", "minimum": 1})))
+    result = obj(["message"], ruleId={"type": "string"}, ruleIndex={"type": "integer", "minimum": -1},
+                 level={"enum": ["none", "note", "warning", "error"]}, message=message,
+                 locations={"type": "array", "items": location}, properties=bag)
+    driver = obj(["name"], name={"type": "string"}, version={"type": "string"},
+                 rules={"type": "array", "items": rule, "uniqueItems": True})
+    run = obj(["tool"], tool=obj(["driver"], driver=driver), results={"type": "array", "items": result},
+              originalUriBaseIds={"type": "object", "additionalProperties": obj([], uri={"type": "string"})})
+    return obj(["version", "runs"], **{"$schema": {"type": "string", "format": "uri"}, "version": {"enum": ["2.1.0"]},
+                                       "runs": {"type": "array", "items": run}})
+
+
+def test_sarif_report_is_valid_and_points_at_the_lines(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    out = os.path.join(tmp_path, "findings.sarif")
+    proc = _safetorch(["--format", "sarif", "--report", out, "train.py"], str(tmp_path))
+    assert proc.returncode == 1
+    with open(out) as fh:
+        log = json.load(fh)
+    jsonschema.validate(log, _sarif_schema())
+    run = log["runs"][0]
+    assert [r["id"] for r in run["tool"]["driver"]["rules"]] == list(safetorch.RULES)
+    places = [(r["ruleId"], r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"],
+               r["locations"][0]["physicalLocation"]["region"]["startLine"], r["properties"]["count"])
+              for r in run["results"]]
+    assert places == [("ST001", "train.py", 4, 3), ("ST003", "train.py", 7, 1)]
+    for r in run["results"]:
+        assert run["tool"]["driver"]["rules"][r["ruleIndex"]]["id"] == r["ruleId"]
+    # a misspelt property would fail the check
+    bad = json.loads(json.dumps(log))
+    bad["runs"][0]["results"][0]["locations"][0]["physicalLocation"]["region"]["startline"] = 4
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, _sarif_schema())
+
+
+PYPROJECT = textwrap.dedent("""\
+    [project]
+    name = "demo"
+
+    [tool.safetorch]
+    ignore = ["ST003"]
+    format = "concise"
+    colour = "red"
+""")
+
+
+def test_pyproject_settings_below_environment_and_options(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "pyproject.toml"), "w") as fh:
+        fh.write(PYPROJECT)
+    sub = os.path.join(tmp_path, "scripts")
+    os.makedirs(sub)
+    proc = _safetorch([buggy], sub)  # found from the script's directory upward, as ruff and pytest find theirs
+    assert "ST003" not in proc.stderr and "ST001 x.double() returns a copy and its result is discarded " \
+        "(safetorch explain ST001)" in proc.stderr
+    pyproject = os.path.join(tmp_path, "pyproject.toml")
+    assert f"{pyproject}:7: SafetorchConfigWarning: safetorch: {pyproject} [tool.safetorch]: unknown key 'colour'" \
+        in proc.stderr
+    env = _safetorch([buggy], sub, SAFETORCH_IGNORE="ST001", SAFETORCH_FORMAT="text")  # environment > pyproject
+    assert "ST003" in env.stderr and "DiscardedConversionWarning" not in env.stderr
+    assert "Write: `with torch.no_grad():`" in env.stderr  # text: the warning in full
+    option = _safetorch(["--ignore", "ST003,ST001", buggy], sub, SAFETORCH_IGNORE="")  # options > environment
+    assert option.returncode == 0 and "Warning: ST0" not in option.stderr
+
+
+def test_pyproject_is_read_by_import_and_by_the_pytest_plugin(tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "pyproject.toml"), "w") as fh:
+        fh.write('[tool.safetorch]\nselect = ["discarded-conversion"]\nstrict = true\n')
+    with open(os.path.join(tmp_path, "test_model.py"), "w") as fh:
+        fh.write("import torch\n\ndef test_eval():\n    torch.nn.Linear(2, 2).eval()(torch.ones(2))\n\n"
+                 "def test_discard():\n    torch.ones(2).double()\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--safetorch",
+                           "test_model.py"], capture_output=True, text=True, cwd=str(tmp_path), env=_env(),
+                          timeout=300)
+    assert "1 failed, 1 passed" in proc.stdout, proc.stdout + proc.stderr
+    assert "SafetorchError: ST001" in proc.stdout
+
+
+def test_bad_values_in_pyproject_warn_and_are_ignored(tmp_path: os.PathLike[str]) -> None:
+    from safetorch import _config
+
+    path = os.path.join(tmp_path, "pyproject.toml")
+    with open(path, "w") as fh:
+        fh.write('[tool.safetorch]\nstrict = "yes"\nignore = ["ST999", "ST004"]\nformat = "xml"\nreport = "r.json"\n')
+    with pytest.warns(safetorch.SafetorchConfigWarning) as caught:
+        cfg = _config.from_pyproject(path)
+    assert cfg.strict is False and cfg.ignore == {"ST004"} and cfg.format == "text"
+    assert cfg.report == os.path.join(str(tmp_path), "r.json")  # relative to the file, as ruff's paths are
+    assert {(w.filename, w.lineno) for w in caught} == {(path, 2), (path, 3), (path, 4)}
+    os.makedirs(os.path.join(str(tmp_path), "a", "b"))
+    assert _config.find_pyproject(os.path.join(str(tmp_path), "a", "b")) == path
