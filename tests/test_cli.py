@@ -258,3 +258,26 @@ def test_bad_values_in_pyproject_warn_and_are_ignored(tmp_path: os.PathLike[str]
     assert {(w.filename, w.lineno) for w in caught} == {(path, 2), (path, 3), (path, 4)}
     os.makedirs(os.path.join(str(tmp_path), "a", "b"))
     assert _config.find_pyproject(os.path.join(str(tmp_path), "a", "b")) == path
+
+
+def test_help_table_is_aligned_and_errors_name_the_option_typed(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    helped = _safetorch(["--help"], str(tmp_path))
+    rows = [ln for ln in helped.stdout.splitlines() if re.match(r"  ST\d{3}  ", ln)]
+    assert len(rows) == len(safetorch.RULES)
+    assert len({ln.index(r.summary) for ln, r in zip(rows, safetorch.RULES.values(), strict=True)}) == 1
+    target = os.path.join(tmp_path, "missing", "report.json")
+    proc = _safetorch(["--report", target, buggy], str(tmp_path))
+    assert f"safetorch: the report {target!r} could not be written" in proc.stderr
+    assert "SAFETORCH_REPORT" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_wheel_ships_the_rule_pages_and_py_typed(tmp_path: os.PathLike[str]) -> None:
+    import zipfile
+
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), ROOT], check=True, capture_output=True, timeout=600)
+    wheel = next(os.path.join(tmp_path, n) for n in os.listdir(tmp_path) if n.endswith(".whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "safetorch/py.typed" in names
+    assert {f"safetorch/_docs/rules/{code}.md" for code in safetorch.RULES} <= names

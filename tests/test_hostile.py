@@ -125,7 +125,7 @@ def test_an_unwritable_report_says_so_and_keeps_the_summary(tmp_path: Any, where
             pytest.skip("this user can write read-only files")
     proc = _run_file(path, env={"SAFETORCH_REPORT": target})
     assert proc.returncode == 0, proc.stderr
-    assert f"safetorch: SAFETORCH_REPORT={target!r}: the JSON report could not be written" in proc.stderr
+    assert f"safetorch: the report {target!r} could not be written" in proc.stderr
     assert "safetorch: 1 finding(s) at 2 occurrence(s)" in proc.stderr
 
 
