@@ -27,7 +27,7 @@ def test_plus_equals_after_backward_warns_at_this_line_with_the_fix() -> None:
     assert [(w.category, w.filename, w.lineno) for w in got] == [(GraphAccumulationWarning, __file__, line)]
     message = str(got[0].message)
     assert message.startswith("ST004 total_loss += loss adds a tensor that requires grad to a Python number")
-    assert message.endswith("Write: total_loss += loss.item()")
+    assert message.endswith("Write: total_loss += loss.item() (safetorch explain ST004)")
     assert isinstance(total_loss, torch.Tensor)  # the behaviour is unchanged: only reported
 
 
@@ -38,7 +38,7 @@ def test_same_name_stored_back_warns() -> None:
     with findings() as got:
         acc = acc + loss; line = lineno()  # noqa: E702
     assert [w.lineno for w in got] == [line]
-    assert str(got[0].message).endswith("Write: acc = acc + loss.item()")
+    assert str(got[0].message).endswith("Write: acc = acc + loss.item() (safetorch explain ST004)")
 
 
 def test_accumulating_before_backward_is_found_once_it_outlives_a_step() -> None:
@@ -51,7 +51,7 @@ def test_accumulating_before_backward_is_found_once_it_outlives_a_step() -> None
             if step == 0:
                 assert got == []  # one backward: it could still be this step's own term
     assert [(w.category, w.filename, w.lineno) for w in got] == [(GraphAccumulationWarning, __file__, line)]
-    assert str(got[0].message).endswith("Write: total += (loss * 2).item()")
+    assert str(got[0].message).endswith("Write: total += (loss * 2).item() (safetorch explain ST004)")
 
 
 def test_attribute_target_and_vector_value() -> None:
@@ -64,7 +64,7 @@ def test_attribute_target_and_vector_value() -> None:
     v.backward(torch.ones(3))
     with findings() as got:
         meter.total += v
-    assert str(got[0].message).endswith("Write: meter.total += v.detach()")
+    assert str(got[0].message).endswith("Write: meter.total += v.detach() (safetorch explain ST004)")
 
 
 def test_a_regularisation_term_built_each_step_is_silent() -> None:

@@ -84,8 +84,8 @@ def test_second_post_pitfalls() -> None:
         (DiscardedConversionWarning, lines["ST001"]),
         (GraphAccumulationWarning, lines["ST004"]),
     ]
-    assert str(got[0].message).endswith("Write: tensor = tensor.double()")
-    assert str(got[1].message).endswith("Write: total_loss = total_loss + loss.item()")
+    assert str(got[0].message).endswith("Write: tensor = tensor.double() (safetorch explain ST001)")
+    assert str(got[1].message).endswith("Write: total_loss = total_loss + loss.item() (safetorch explain ST004)")
 
 
 def test_crash_note_names_the_discarded_conversion(tmp_path: os.PathLike[str]) -> None:
@@ -104,7 +104,8 @@ def test_crash_note_names_the_discarded_conversion(tmp_path: os.PathLike[str]) -
     tail = proc.stderr.strip().splitlines()
     assert tail[-2].startswith("RuntimeError: mat1 and mat2 must have the same dtype")
     assert tail[-1] == (f"safetorch: {script}:5 discarded a conversion earlier, the usual cause of this error: "
-                        "x.double() returns a copy and its result is discarded; x is unchanged. Write: x = x.double()")
+                        "x.double() returns a copy and its result is discarded; x is unchanged. Write: x = x.double() "
+                        "(safetorch explain ST001)")
 
 
 def test_no_crash_note_for_other_errors(tmp_path: os.PathLike[str]) -> None:
