@@ -7,6 +7,8 @@ Public surface (design.md): `install`, `uninstall`, `SafetorchWarning` and one s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from . import functional as functional
 from . import nn as nn
 from ._exceptions import SafetorchConfigWarning as SafetorchConfigWarning
@@ -38,6 +40,25 @@ __version__ = _version()
 # rule touches no file here (``safetorch.EvalModeGradWarning``, ``warnings.filterwarnings(..., category=...)``).
 _RULE_WARNINGS = {rule.category.__name__: rule.category for rule in RULES.values()}
 globals().update(_RULE_WARNINGS)
+
+if TYPE_CHECKING:  # the same classes, named for type checkers, which cannot see globals().update (test_typing.py)
+    from .checks.clip_scaled_gradients import ClipScaledGradientsWarning as ClipScaledGradientsWarning
+    from .checks.discarded_conversion import DiscardedConversionWarning as DiscardedConversionWarning
+    from .checks.empty_cache_loop import EmptyCacheLoopWarning as EmptyCacheLoopWarning
+    from .checks.eval_mode_grad import EvalModeGradWarning as EvalModeGradWarning
+    from .checks.eval_mode_training import EvalModeTrainingWarning as EvalModeTrainingWarning
+    from .checks.freeze_did_nothing import FreezeDidNothingWarning as FreezeDidNothingWarning
+    from .checks.functional_dropout import FunctionalDropoutInEvalWarning as FunctionalDropoutInEvalWarning
+    from .checks.gradients_accumulate import GradientsAccumulateWarning as GradientsAccumulateWarning
+    from .checks.graph_accumulation import GraphAccumulationWarning as GraphAccumulationWarning
+    from .checks.legacy_reduction import LegacyReductionWarning as LegacyReductionWarning
+    from .checks.non_finite_loss import NonFiniteLossWarning as NonFiniteLossWarning
+    from .checks.probabilities_into_logits import (
+        ProbabilitiesIntoLogitsLossWarning as ProbabilitiesIntoLogitsLossWarning,
+    )
+    from .checks.state_dict_loaded_nothing import StateDictLoadedNothingWarning as StateDictLoadedNothingWarning
+    from .checks.step_without_gradients import StepWithoutGradientsWarning as StepWithoutGradientsWarning
+    from .checks.volatile_variable import VolatileVariableWarning as VolatileVariableWarning
 
 __all__ = [
     "RULES",

@@ -44,6 +44,7 @@ Design rules (from wrapt and dd-trace-py):
 
 from __future__ import annotations
 
+import builtins
 import functools
 import importlib
 import sys
@@ -415,7 +416,7 @@ class Registry:
                     found.append((original, outer.installed, outer.group))
             return found
 
-    def groups(self) -> set[str]:
+    def groups(self) -> builtins.set[str]:  # `set` in this class is Registry.set
         return {rec.group for rec in self._records.values()}
 
     def touched(self) -> list[tuple[object, str]]:
