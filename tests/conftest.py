@@ -59,7 +59,7 @@ def lineno() -> int:
     return sys._getframe(1).f_lineno
 
 
-def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
     full_env.update(env or {})
     full_env["PYTHONPATH"] = os.pathsep.join([ROOT, LIBRARIES, full_env.get("PYTHONPATH", "")])

@@ -42,7 +42,7 @@ def test_reader_on_every_python(version: str) -> None:
     exe = INTERPRETERS[version]
     if exe is None:
         pytest.skip(f"python{version} is not installed here")
-    proc = subprocess.run([exe, PROBE], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([exe, PROBE], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["version"] == [int(p) for p in version.split(".")]
@@ -59,7 +59,7 @@ def test_interactive_echo_is_not_a_discard() -> None:
         "exec(compile('probe()', '<stdin>', 'single'))\n"
         "exec(compile('probe()', '<stdin>', 'exec'))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.stdout.split() == ["used", "1", "discarded"]
 
 

@@ -108,7 +108,7 @@ PROGRAM = textwrap.dedent("""\
 def _python(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_") and k != "PYTHONWARNINGS"}
     full.update(env, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full, timeout=120)
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=full, timeout=300)
 
 
 @pytest.mark.parametrize("how", ["-W", "PYTHONWARNINGS", "runner -W"])
@@ -156,7 +156,7 @@ def test_pytest_ini_and_marker_filters_switch_a_rule_off(ini: str, tmp_path: str
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--safetorch-strict",
-                           "-rA", "test_user.py"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=180)
+                           "-rA", "test_user.py"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     out = proc.stdout
     assert "FAILED test_user.py::test_plain" in out  # unmarked: the strict finding fails the test
     assert "PASSED test_user.py::test_marked" in out  # the marker switched ST001 off for that test

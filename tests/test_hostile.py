@@ -46,7 +46,7 @@ def _run_file(path: str, *options: str, env: dict[str, str] | None = None) -> An
     full = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
     full.update(env or {})
     full["PYTHONPATH"] = ROOT
-    return subprocess.run([sys.executable, *options, path], capture_output=True, text=True, env=full, timeout=120)
+    return subprocess.run([sys.executable, *options, path], capture_output=True, text=True, env=full, timeout=300)
 
 
 @pytest.mark.parametrize("option", ["error:ST", "error", "error::UserWarning"])

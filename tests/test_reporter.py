@@ -113,6 +113,6 @@ def test_no_exit_summary_in_an_interactive_session() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
     env["PYTHONPATH"] = ROOT
     proc = subprocess.run([sys.executable, "-i", "-c", code], input="", capture_output=True, text=True, env=env,
-                          timeout=120)
+                          timeout=300)
     assert "DiscardedConversionWarning: ST001" in proc.stderr  # the finding itself is shown
     assert "finding(s)" not in proc.stderr  # but no summary when the session is interactive

@@ -31,7 +31,7 @@ def executed() -> list[Any]:
     pytest.importorskip("ipykernel")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
     # The kernel (ipykernel's own spec: this interpreter) imports the safetorch of this checkout, run from its root.
-    nbclient.NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
+    nbclient.NotebookClient(nb, timeout=300, startup_timeout=300, kernel_name="python3", allow_errors=True,
                             resources={"metadata": {"path": ROOT}}).execute()
     return list(nb.cells)
 
