@@ -233,7 +233,7 @@ def _pytest(tmp_path: str, *args: str, ini: str = "") -> subprocess.CompletedPro
     with open(os.path.join(tmp_path, "pytest.ini"), "w") as fh:
         fh.write("[pytest]\n" + ini)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-                          capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=180)
+                          capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
 
 
 def test_plugin_off_leaves_the_suite_as_it_was(tmp_path: str) -> None:
@@ -277,7 +277,7 @@ def test_plugin_strict_failure_of_an_eval_forward_shows_no_torch_frame(tmp_path:
     with open(os.path.join(tmp_path, "test_eval.py"), "w") as fh:
         fh.write(EVAL_TEST)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--safetorch-strict",
-                           "test_eval.py"], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=180)
+                           "test_eval.py"], capture_output=True, text=True, cwd=tmp_path, env=_env(), timeout=300)
     assert proc.returncode == 1
     assert "test_eval.py:6: SafetorchError" in proc.stdout and "module.py" not in proc.stdout
     assert "ST001" in _pytest(tmp_path, ini="safetorch = true\n").stdout
