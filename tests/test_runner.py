@@ -37,7 +37,13 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _run(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "safetorch", *args], capture_output=True, text=True, cwd=cwd,
-                          env=_env(**env), timeout=180)
+                          env=_env(**env), timeout=300)
+
+
+def _plain(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The same program run by ``python`` itself, in the same environment: what the runner must be identical to."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=_env(**env),
+                          timeout=300)
 
 
 @pytest.fixture
@@ -125,14 +131,15 @@ def test_one_line_errors_and_tracebacks_without_the_runner(tmp_path: str) -> Non
     with open(os.path.join(tmp_path, "bad.py"), "w") as fh:
         fh.write("x = (\n")
     syntax = _run(["bad.py"], cwd=str(tmp_path))
-    assert syntax.returncode == 1 and syntax.stderr.startswith('  File "bad.py", line 1')
+    bad = os.path.join(os.path.realpath(tmp_path), "bad.py")
+    assert syntax.returncode == 1 and syntax.stderr.startswith(f'  File "{bad}", line 1')  # as python prints it
     assert "runpy" not in syntax.stderr and "safetorch" not in syntax.stderr
     with open(os.path.join(tmp_path, "boom.py"), "w") as fh:
         fh.write("def f():\n    raise ValueError('boom')\nf()\n")
     boom = _run(["boom.py"], cwd=str(tmp_path))
     assert boom.returncode == 1
     assert boom.stderr.splitlines()[:2] == ["Traceback (most recent call last):",
-                                            '  File "boom.py", line 3, in <module>']
+                                            f'  File "{os.path.realpath(tmp_path)}/boom.py", line 3, in <module>']
     assert boom.stderr.splitlines()[-1] == "ValueError: boom"
 
 
@@ -155,13 +162,193 @@ def test_spawned_workers_behave_as_without_the_runner(tmp_path: str) -> None:
     assert proc.stdout.strip() == "[1.0, 2.0, 3.0]"
 
 
+# --- the program runs as `python script.py` / `python -m module` runs it ------------------------------------------
+
+PROBE = textwrap.dedent("""\
+    import builtins, json, os, pickle, sys, warnings
+
+    class Thing:
+        pass
+
+    def spec(s):
+        return None if s is None else [s.name, s.origin, s.cached, s.parent, type(s.loader).__name__]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("careful")
+    main = sys.modules["__main__"]
+    print(json.dumps({
+        "__file__": __file__, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "__spec__": spec(__spec__),
+        "__name__": __name__, "__package__": __package__, "__cached__": __cached__, "__doc__": __doc__,
+        "__loader__": [type(__loader__).__name__, getattr(__loader__, "name", None), getattr(__loader__, "path", None)],
+        "__builtins__ is builtins": __builtins__ is builtins, "__annotations__": __annotations__,
+        "sys.modules['__main__'] runs this code": vars(main) is globals(),
+        "dunders": sorted(k for k in globals() if k.startswith("__")),
+        "co_filename": sys._getframe().f_code.co_filename,
+        "warning": [caught[0].filename, caught[0].lineno],
+        "pickled": type(pickle.loads(pickle.dumps(Thing()))).__module__,
+    }))
+""")
+
+
+def _tree(tmp_path: str) -> str:
+    """tmp/work (the current directory), tmp/scripts/probe.py, tmp/pkg/mod.py and tmp/app/__main__.py (a directory
+    python runs): one probe, started every way python starts a program."""
+    root = os.path.realpath(tmp_path)  # the current directory as the program reads it: os.getcwd() resolves links
+    for sub, name in (("scripts", "probe.py"), ("pkg", "mod.py"), ("pkg", "__init__.py"), ("app", "__main__.py")):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+        with open(os.path.join(root, sub, name), "w") as fh:
+            fh.write("" if name == "__init__.py" else PROBE)
+    os.makedirs(os.path.join(root, "work"))
+    return root
+
+
+@pytest.mark.parametrize("cwd, start, env", [
+    ("scripts", ["probe.py"], {}),  # a relative path in the current directory: __file__ was relative, dirname ""
+    ("work", ["../scripts/probe.py"], {}),  # a relative path in another directory
+    ("work", ["{root}/scripts/probe.py"], {}),  # an absolute path
+    ("work", ["../scripts/probe.py"], {"PYTHONSAFEPATH": "1"}),  # python -P: no sys.path[0] at all
+    ("work", ["../app"], {}),  # a directory with a __main__.py
+    (".", ["-m", "pkg.mod"], {}),
+    ("work", ["-m", "pkg.mod"], {}),  # not importable from there: both fail the same way
+], ids=["relative", "relative-elsewhere", "absolute", "safe-path", "directory", "module", "module-elsewhere"])
+def test_the_program_sees_what_a_plain_python_run_shows_it(tmp_path: str, cwd: str, start: list[str],
+                                                           env: dict[str, str]) -> None:
+    """__file__, sys.argv, sys.path, __spec__, __loader__, __package__, the __main__ in sys.modules, the file name
+    of warnings and code: all as `python ...` itself sets them."""
+    root = _tree(tmp_path)
+    args = [a.format(root=root) for a in start] + ["1", "--two"]
+    plain, runner = _plain(args, cwd=os.path.join(root, cwd), **env), _run(args, cwd=os.path.join(root, cwd), **env)
+    if cwd == "work" and start[0] == "-m":
+        assert plain.returncode == 1 and "No module named 'pkg'" in plain.stderr
+        assert runner.returncode == 2 and "no module named 'pkg.mod'" in runner.stderr  # the runner's one line
+        return
+    assert (plain.returncode, runner.returncode) == (0, 0), runner.stderr
+    seen, expected = json.loads(runner.stdout), json.loads(plain.stdout)
+    assert seen == expected
+    assert seen["sys.modules['__main__'] runs this code"] and seen["pickled"] == "__main__"
+
+
+def test_the_console_script_starts_the_program_as_python_does(tmp_path: str) -> None:
+    """`safetorch script.py`: the console script's own directory is not the program's sys.path[0]."""
+    exe = shutil.which("safetorch")
+    if exe is None:
+        pytest.skip("the console script is not installed (pip install -e .)")
+    root = _tree(tmp_path)
+    cwd = os.path.join(root, "work")
+    runner = subprocess.run([exe, "../scripts/probe.py", "1"], capture_output=True, text=True, cwd=cwd, env=_env(),
+                            timeout=300)
+    assert runner.returncode == 0, runner.stderr
+    assert json.loads(runner.stdout) == json.loads(_plain(["../scripts/probe.py", "1"], cwd=cwd).stdout)
+
+
+CHDIR = textwrap.dedent("""\
+    import os
+    os.chdir(os.path.dirname(__file__))
+    with open("data.txt") as fh:
+        print(fh.read())
+""")
+
+
+def test_a_script_that_moves_to_its_own_directory(tmp_path: str) -> None:
+    """`os.chdir(os.path.dirname(__file__))`, started by a relative path from the script's directory."""
+    with open(os.path.join(tmp_path, "chdir.py"), "w") as fh:
+        fh.write(CHDIR)
+    with open(os.path.join(tmp_path, "data.txt"), "w") as fh:
+        fh.write("found it")
+    proc = _run(["chdir.py"], cwd=str(tmp_path))
+    assert (proc.returncode, proc.stdout.strip()) == (0, "found it"), proc.stderr
+
+
+PICKLES = textwrap.dedent("""\
+    import atexit, copy, io, multiprocessing as mp, pickle
+    import torch
+
+    class Point:
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+    def double(p):
+        return Point(p.x * 2, float(torch.tensor(p.y).double() * 2))
+
+    def at_exit():  # after the program returned: __main__ is still the program's
+        print("at exit", pickle.loads(pickle.dumps(Point(5, 6))).x, flush=True)
+
+    if __name__ == "__main__":
+        atexit.register(at_exit)
+        p = pickle.loads(pickle.dumps(Point(1, 2)))
+        print("pickle", type(p).__qualname__, p.x, p.y, pickle.loads(pickle.dumps(double)) is double)
+        buf = io.BytesIO()
+        torch.save({"p": p}, buf)
+        buf.seek(0)
+        print("torch.save", torch.load(buf, weights_only=False)["p"].x)
+        print("deepcopy", copy.deepcopy(p).y)
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(2) as pool:
+            print("pool", [(q.x, q.y) for q in pool.map(double, [Point(1, 2), Point(3, 4)])])
+        queue = ctx.Queue()
+        worker = ctx.Process(target=queue.put, args=(Point(7, 8),))
+        worker.start()
+        got = queue.get(timeout=240)
+        worker.join()
+        print("process", type(got).__qualname__, got.x, worker.exitcode)
+""")
+
+
+def test_script_defined_classes_and_functions_pickle_and_cross_into_spawned_workers(tmp_path: str) -> None:
+    """pickle finds the script's classes in sys.modules['__main__'] (during the run and at exit), and spawned
+    workers rebuild that __main__ from the script: the same output as a plain run, from another directory."""
+    os.makedirs(os.path.join(tmp_path, "src"))
+    with open(os.path.join(tmp_path, "src", "pickles.py"), "w") as fh:
+        fh.write(PICKLES)
+    plain, runner = (f([os.path.join("src", "pickles.py")], cwd=str(tmp_path)) for f in (_plain, _run))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert runner.returncode == 0, runner.stderr[-3000:]
+    assert runner.stdout == plain.stdout
+    assert "pool [(2, 4.0), (6, 8.0)]" in runner.stdout and "process Point 7 0" in runner.stdout
+    assert runner.stdout.endswith("at exit 5\n")
+
+
+FAILS = textwrap.dedent("""\
+    import warnings
+
+    def check(n):
+        warnings.warn(f"n is {n}")
+        if n > 1:
+            raise ValueError(f"n is {n}")
+
+    check(1)
+    check(2)
+""")
+
+
+@pytest.mark.parametrize("path", ["fails.py", os.path.join("..", "here", "fails.py"), "{tmp}/here/fails.py"])
+def test_warnings_and_tracebacks_name_the_files_python_names(tmp_path: str, path: str) -> None:
+    """What the user reads on stderr, a warning's file:line and every frame of the traceback, is what `python`
+    prints (an absolute path, joined to the current directory unnormalized), without a frame of the runner."""
+    tmp = os.path.realpath(tmp_path)
+    os.makedirs(os.path.join(tmp, "here"))
+    os.makedirs(os.path.join(tmp, "there"))
+    with open(os.path.join(tmp, "here", "fails.py"), "w") as fh:
+        fh.write(FAILS)
+    cwd = os.path.join(tmp, "here" if path == "fails.py" else "there")
+    args = [path.format(tmp=tmp)]
+    plain, runner = _plain(args, cwd=cwd), _run(args, cwd=cwd)
+    assert (plain.returncode, runner.returncode) == (1, 1)
+    assert runner.stderr == plain.stderr
+    shown = os.path.join(cwd, path) if not os.path.isabs(args[0]) else args[0]
+    assert f'  File "{shown}", line 9, in <module>' in runner.stderr
+    assert runner.stderr.startswith(f"{shown}:4: UserWarning: n is 1\n")
+
+
 def test_the_demo_fires_every_rule_once_on_its_line() -> None:
     demo = os.path.join("examples", "demo.py")
     proc = _run([demo], cwd=ROOT, SAFETORCH_REPORT="0")
     assert proc.returncode == 0, proc.stderr
     with open(os.path.join(ROOT, demo)) as fh:
         marked = {m.group(1): n for n, line in enumerate(fh, 1) if (m := re.search(r"# (ST0\d\d):", line))}
-    fired = re.findall(r"^examples/demo\.py:(\d+): \w+Warning: (ST0\d\d) ", proc.stderr, re.M)
+    shown = re.escape(os.path.join(os.path.realpath(ROOT), demo))  # absolute, as `python examples/demo.py` shows it
+    fired = re.findall(rf"^{shown}:(\d+): \w+Warning: (ST0\d\d) ", proc.stderr, re.M)
     assert sorted((code, int(line)) for line, code in fired) == sorted(marked.items())
     assert len(marked) == len(safetorch.RULES)
 
