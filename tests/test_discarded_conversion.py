@@ -59,7 +59,7 @@ def test_message_names_the_variable_and_the_fix() -> None:
         tensor.float()
     assert str(got[0].message) == (
         "ST001 tensor.float() returns a copy and its result is discarded; tensor is unchanged. "
-        "Write: tensor = tensor.float()"
+        "Write: tensor = tensor.float() (safetorch explain ST001)"
     )
 
 
@@ -71,7 +71,7 @@ def test_message_names_an_attribute_chain_and_keeps_arguments() -> None:
     with findings() as got:
         self.scale.to(torch.float64, copy=True)
     assert str(got[0].message).endswith("self.scale is unchanged. Write: self.scale = self.scale.to(torch.float64, "
-                                        "copy=True)")
+                                        "copy=True) (safetorch explain ST001)")
 
 
 def test_message_for_a_call_through_the_class() -> None:
@@ -394,4 +394,5 @@ def test_the_device_conversions_run_on_the_cpu_through_a_fake_device_method(meth
     call = "x.cuda()" if method == "cuda" else 'x.to("cuda")'
     assert [(w.category, w.lineno, str(w.message)) for w in got] == [
         (DiscardedConversionWarning, line,
-         f"ST001 {call} returns a copy and its result is discarded; x is unchanged. Write: x = {call}")]
+         f"ST001 {call} returns a copy and its result is discarded; x is unchanged. Write: x = {call} "
+         "(safetorch explain ST001)")]
