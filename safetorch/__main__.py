@@ -157,10 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SAFETORCH_RUNNER"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (boot, os.environ.get("PYTHONPATH", "")) if p)
 
+    if _config.PYPROJECT_ENV not in os.environ:  # [tool.safetorch] as found from the script, as a plain run finds it
+        found = _config.find_pyproject(os.path.dirname(os.path.abspath(args[0])) if module is None else os.getcwd())
+        if found is not None:
+            os.environ[_config.PYPROJECT_ENV] = found
+
     import dataclasses
 
     import safetorch
-    from safetorch import _report
+    from safetorch import _report, _run
 
     try:
         safetorch.install(strict=ns.strict or None, ignore=ns.ignore, select=ns.select)
@@ -176,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         if exc.code not in (None, 0):
             raise  # the program's own failure wins
         status = 0
-    if status == 0 and not ns.exit_zero and not _config.current.disabled and _report.found_in_run():
+    # Under torchrun a rank's non-zero status is a crash to the agent (it tears the job down, or restarts it):
+    # there the program's own status stands, and CI reads the report.
+    if status == 0 and not ns.exit_zero and not _config.current.disabled and not _run.torchrun() \
+            and _report.found_in_run():
         _report.failing_exit = True
         return 1
     return status

@@ -230,6 +230,8 @@ def test_pyproject_settings_below_environment_and_options(buggy: str, tmp_path: 
     assert "Write: `with torch.no_grad():`" in env.stderr  # text: the warning in full
     option = _safetorch(["--ignore", "ST003,ST001", buggy], sub, SAFETORCH_IGNORE="")  # options > environment
     assert option.returncode == 0 and "Warning: ST0" not in option.stderr
+    elsewhere = _safetorch([buggy], os.path.dirname(str(tmp_path)))  # the script's file, wherever the shell is
+    assert "ST003" not in elsewhere.stderr and "unknown key 'colour'" in elsewhere.stderr
 
 
 def test_pyproject_is_read_by_import_and_by_the_pytest_plugin(tmp_path: os.PathLike[str]) -> None:
