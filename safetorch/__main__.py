@@ -157,10 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SAFETORCH_RUNNER"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (boot, os.environ.get("PYTHONPATH", "")) if p)
 
-    if _config.PYPROJECT_ENV not in os.environ:  # [tool.safetorch] as found from the script, as a plain run finds it
-        found = _config.find_pyproject(os.path.dirname(os.path.abspath(args[0])) if module is None else os.getcwd())
-        if found is not None:
-            os.environ[_config.PYPROJECT_ENV] = found
+    if os.environ.get(_config.PYPROJECT_ENV) in (None, _config.exported[0]):
+        # [tool.safetorch] as a plain run finds it, from the script (this package's import looked from elsewhere)
+        found = _config.find_pyproject(os.path.dirname(os.path.abspath(args[0]))) if module is None else None
+        os.environ[_config.PYPROJECT_ENV] = found or _config.find_pyproject(os.getcwd()) or "0"  # 0: none, for all
+    from safetorch import _install
+
+    _install._env_config = None  # read again: the import of this package read it before the script was known
 
     import dataclasses
 

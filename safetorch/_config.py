@@ -265,7 +265,13 @@ def _warn_at(path: str, key: str | None, message: str) -> None:
         elif inside and key is not None and re.match(rf"[\"']?{re.escape(key)}[\"']?\s*=", text):
             lineno = number
             break
+    if (path, lineno, message) in _said:  # the runner reads the file again, once it knows the script
+        return
+    _said.add((path, lineno, message))
     warnings.warn_explicit(f"safetorch: {message}", SafetorchConfigWarning, path, lineno)
+
+
+_said: set[tuple[str, int, str]] = set()
 
 
 def from_pyproject(path: str) -> Config:
@@ -321,6 +327,10 @@ def _starts() -> list[str]:
     return starts
 
 
+#: The path `load` put in the environment itself (the runner looks again from its script).
+exported: list[str | None] = [None]
+
+
 def load(environ: dict[str, str] | os._Environ[str] | None = None, start: str | None = None) -> Config:
     """The configuration before explicit arguments: the environment over the nearest ``[tool.safetorch]`` (the one
     the run's first process found, in a child) over the defaults. ``SAFETORCH_PYPROJECT=0`` reads none."""
@@ -335,7 +345,7 @@ def load(environ: dict[str, str] | os._Environ[str] | None = None, start: str | 
             if path is not None:
                 break
         if environ is None and path is not None:  # the run's children read the same file, wherever they start
-            os.environ[PYPROJECT_ENV] = path
+            os.environ[PYPROJECT_ENV] = exported[0] = path
     base = from_pyproject(path) if path else Config()
     return from_environ(env, base)
 
