@@ -55,11 +55,14 @@ def test_the_readmes_commands_run() -> None:
         args = command.split()[1:]
         proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env,
                               timeout=300)
-        assert proc.returncode == 0, (command, proc.stderr[-2000:])
+        # the runner exits 1 for a program that succeeded with findings, as a linter does
+        expected = 1 if args[:2] == ["-m", "safetorch"] and "examples/" in command else 0
+        assert proc.returncode == expected, (command, proc.stderr[-2000:])
 
 
 def test_the_readmes_example_findings_are_what_the_examples_print() -> None:
-    """The README shows the findings of three scripts in examples/: each line is what the runner prints, verbatim."""
+    """The README shows the findings of three scripts in examples/: each line is what the runner prints, verbatim,
+    with the checkout's directory left out of the paths (Python prints a script's absolute path)."""
     import re
     import subprocess
     import sys
@@ -72,6 +75,7 @@ def test_the_readmes_example_findings_are_what_the_examples_print() -> None:
     for name in scripts:
         proc = subprocess.run([sys.executable, "-m", "safetorch", f"examples/{name}.py"], capture_output=True,
                               text=True, cwd=ROOT, env=env, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        printed = [line for line in proc.stderr.splitlines() if re.match(r"examples/\w+\.py:\d+: \w+Warning", line)]
+        assert proc.returncode == 1, proc.stderr  # it succeeded, with findings
+        lines = [line.replace(os.path.join(os.path.realpath(ROOT), ""), "") for line in proc.stderr.splitlines()]
+        printed = [line for line in lines if re.match(r"examples/\w+\.py:\d+: \w+Warning", line)]
         assert printed == [line for line, script in shown if script == name]
