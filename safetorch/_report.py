@@ -78,6 +78,9 @@ def is_internal(code: CodeType) -> bool:
 def clear_caches() -> None:
     _internal_codes.clear()
     _off.clear()
+    from . import _suppress
+
+    _suppress.clear()
 
 
 #: The file names of code that torch generates (fx's GraphModule code, dynamo's): the names torch gives them, not any
