@@ -20,6 +20,23 @@ if LIBRARIES not in sys.path:
     sys.path.insert(0, LIBRARIES)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False,
+                     help="also run the tests marked slow (torch's corpus, the bench, real frameworks, multi-process "
+                          "jobs, a program run many times over): what CI runs")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked slow take most of the suite's time: skipped unless --runslow, so that a plain `python -m pytest`
+    is a few minutes."""
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_safetorch() -> Iterator[None]:
     """Every test starts with all checks installed, not strict, no call site reported yet, and the sampled checks

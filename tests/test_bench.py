@@ -10,7 +10,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT
+
+# The bench itself, run quickly: a minute or two.
+pytestmark = pytest.mark.slow
 
 
 def test_quick_bench_runs_and_writes_every_measurement(tmp_path: os.PathLike[str]) -> None:

@@ -73,6 +73,7 @@ def test_double_dash_runs_a_script_named_like_a_subcommand(tmp_path: os.PathLike
     assert "script ran ['rules', '--lr', '1']" in proc.stdout
 
 
+@pytest.mark.slow
 def test_exit_status_follows_findings_unless_the_program_fails(buggy: str, tmp_path: os.PathLike[str]) -> None:
     found = _safetorch([buggy], str(tmp_path))
     assert found.returncode == 1 and "done" in found.stdout
@@ -89,6 +90,7 @@ def test_exit_status_follows_findings_unless_the_program_fails(buggy: str, tmp_p
     assert _safetorch([clean], str(tmp_path)).returncode == 0
 
 
+@pytest.mark.slow
 def test_select_and_ignore_errors_name_the_option(buggy: str, tmp_path: os.PathLike[str]) -> None:
     proc = _safetorch(["--ignore", "ST03", buggy], str(tmp_path))
     assert proc.returncode == 2 and "error: --ignore: unknown rule 'ST03'" in proc.stderr and "ignore=" not in \
@@ -214,6 +216,7 @@ PYPROJECT = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_pyproject_settings_below_environment_and_options(buggy: str, tmp_path: os.PathLike[str]) -> None:
     with open(os.path.join(tmp_path, "pyproject.toml"), "w") as fh:
         fh.write(PYPROJECT)

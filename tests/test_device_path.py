@@ -62,6 +62,7 @@ def _objects() -> tuple[int, int]:
     return len(gc.get_objects()), len(weakref.finalize._registry)  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deferred", [False, True], ids=["cpu-path", "device-path"])
 def test_nothing_safetorch_keeps_grows_over_20k_steps(deferred: bool) -> None:
     # 20k backwards cross 19 sample windows of ST010/ST011 (each left a finalizer, a watch and two tensors); on the
@@ -227,6 +228,7 @@ def test_device_path_a_backward_called_by_torch_itself_is_torchs() -> None:
     assert [w_.lineno for w_ in got] == [line]
 
 
+@pytest.mark.slow
 def test_the_accelerator_path_is_covered_by_the_cpu_runs(tmp_path: os.PathLike[str]) -> None:
     """The lines a GPU run executes run in CI: coverage of the deferred facility and of ST006 (whose every
     accelerator branch goes through it) from this file's and ST006's own tests, on CPU tensors."""

@@ -38,6 +38,7 @@ def test_everything_about_a_rule_is_derived_from_its_one_declaration() -> None:
     assert safetorch.installed_checks() == sorted(safetorch.RULES)
 
 
+@pytest.mark.slow
 def test_the_readmes_commands_run() -> None:
     """Every `python -m ...` command in the README's shell blocks runs from the repository root (the set-up line's
     pip installs are what CI's .ci/run does; the test suite itself is run with --collect-only here)."""
@@ -60,6 +61,7 @@ def test_the_readmes_commands_run() -> None:
         assert proc.returncode == expected, (command, proc.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_the_readmes_example_findings_are_what_the_examples_print() -> None:
     """The README shows the findings of three scripts in examples/: each line is what the runner prints, verbatim,
     with the checkout's directory left out of the paths (Python prints a script's absolute path)."""

@@ -176,6 +176,7 @@ def _rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc")
 def test_many_generated_call_sites_keep_bounded_memory() -> None:
     """Generated code (or a long notebook) makes a new call site per cell: the caches must not keep them all. Each

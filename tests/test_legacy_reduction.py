@@ -267,6 +267,7 @@ def _grads(fn: Any, sample: Any) -> tuple[torch.Tensor, list[torch.Tensor | None
     return out.detach(), grads
 
 
+@pytest.mark.slow
 def test_op_db_loss_samples_are_identical_with_and_without_safetorch() -> None:
     names = sorted({n.removeprefix("nn.functional.") for n in _op_db()
                     if n.startswith("nn.functional.") and n.endswith("loss")} | set(FUNCTIONS))

@@ -14,6 +14,9 @@ import pytest
 
 from .conftest import ROOT
 
+# torchrun jobs, spawned and forked children: several Python processes each.
+pytestmark = pytest.mark.slow
+
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}

@@ -143,6 +143,7 @@ def test_one_line_errors_and_tracebacks_without_the_runner(tmp_path: str) -> Non
     assert boom.stderr.splitlines()[-1] == "ValueError: boom"
 
 
+@pytest.mark.slow
 def test_spawned_workers_behave_as_without_the_runner(tmp_path: str) -> None:
     path = os.path.join(tmp_path, "spawn.py")
     with open(path, "w") as fh:
@@ -295,6 +296,7 @@ PICKLES = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_script_defined_classes_and_functions_pickle_and_cross_into_spawned_workers(tmp_path: str) -> None:
     """pickle finds the script's classes in sys.modules['__main__'] (during the run and at exit), and spawned
     workers rebuild that __main__ from the script: the same output as a plain run, from another directory."""
@@ -386,6 +388,7 @@ HOOKED_DEMO = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["user first", "safetorch first"])
 def test_user_hooks_before_and_after_ours_over_the_demo_that_fires_every_rule(order: str) -> None:
     """The user's module forward pre/post hooks, step pre-hooks and tensor backward hooks, registered before
@@ -440,6 +443,7 @@ def test_plugin_reports_findings_in_the_warnings_summary(tmp_path: str) -> None:
     assert "safetorch:" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_plugin_strict_fails_the_test(tmp_path: str) -> None:
     for args, ini in ((("--safetorch-strict",), ""), ((), "safetorch_strict = true\n")):
         proc = _pytest(tmp_path, *args, ini=ini)
@@ -460,6 +464,7 @@ EVAL_TEST = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_plugin_strict_failure_of_an_eval_forward_shows_no_torch_frame(tmp_path: str) -> None:
     with open(os.path.join(tmp_path, "test_eval.py"), "w") as fh:
         fh.write(EVAL_TEST)
@@ -538,6 +543,7 @@ DDP_EVAL_SCRIPT = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_an_evaluation_through_ddp_without_no_grad_trains_bit_identically(tmp_path: str) -> None:
     """DDP's forward with autograd on prepares its reducer for a backward; safetorch's act keeps that forward as it
     is, so the next training step all-reduces exactly as without safetorch."""
@@ -557,6 +563,7 @@ def test_an_evaluation_through_ddp_without_no_grad_trains_bit_identically(tmp_pa
     assert len(runs["on"]) == 2 and runs["on"] == runs["off"]
 
 
+@pytest.mark.slow
 def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
     path = os.path.join(tmp_path, "ddp.py")
     with open(path, "w") as fh:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import textwrap
 
+import pytest
+
 from ..conftest import run_python
 
 PROGRAM = textwrap.dedent("""\
@@ -54,6 +56,7 @@ INJECT = textwrap.dedent("""\
 """)
 
 
+@pytest.mark.slow
 def test_every_check_failing_leaves_the_output_unchanged(tmp_path: os.PathLike[str]) -> None:
     script = os.path.join(tmp_path, "train.py")
     with open(script, "w") as fh:

@@ -17,6 +17,9 @@ from safetorch import EvalModeTrainingWarning
 from ..conftest import findings, lineno
 from ..test_eval_mode_grad import keeps_activations
 
+# transformers models and its Trainer.
+pytestmark = pytest.mark.slow
+
 
 def _tiny_bert(path: str) -> None:
     transformers = pytest.importorskip("transformers")

@@ -13,6 +13,9 @@ import pytest
 
 from ..conftest import ROOT
 
+# a Jupyter kernel.
+pytestmark = pytest.mark.slow
+
 CELLS = [
     "import torch, safetorch, warnings\nwarnings.simplefilter('always', safetorch.SafetorchWarning)",
     "x = torch.ones(2)\nx.double();",                                              # [2] ST001, semicolon

@@ -19,6 +19,7 @@ from . import COUNTS
 
 # torch's own notices about what these tests exercise on purpose (legacy losses, experimental dtypes)
 pytestmark = [
+    pytest.mark.slow,  # torch's whole module and op corpus: minutes
     pytest.mark.filterwarnings('ignore:ComplexHalf support is experimental:UserWarning'),
     pytest.mark.filterwarnings("ignore:reduction. 'mean' divides the total loss:UserWarning"),
 ]
