@@ -79,7 +79,32 @@ __all__ = [
 ]
 
 
+def _started_as_runner() -> bool:
+    """``python [options] -m safetorch …`` or the ``safetorch`` console script: the runner installs the checks itself,
+    once it knows its script (whose ``pyproject.toml`` counts, not the working directory's)."""
+    import os
+    import sys
+
+    argv = list(getattr(sys, "orig_argv", []))[1:]
+    if argv and os.path.basename(argv[0]) in ("safetorch", "safetorch.exe") and not argv[0].endswith(".py"):
+        return True
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return i + 1 < len(argv) and argv[i + 1] == "safetorch"
+        if arg in ("-W", "-X", "--check-hash-based-pycs"):
+            i += 2
+            continue
+        if not arg.startswith("-") or arg == "-c" or arg == "-":
+            return False
+        i += 1
+    return False
+
+
 def _install_on_import() -> None:
+    if _started_as_runner():
+        return
     try:
         install()
     except Exception as exc:  # `import safetorch` never raises

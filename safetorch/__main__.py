@@ -112,8 +112,20 @@ def _explain_command(argv: list[str]) -> int:
     page = _docs.page(code)
     if page is None:
         return _fail(f"the page of {code} is not installed with this copy of safetorch (docs/rules/{code}.md)")
-    print(page.rstrip("\n"))
+    try:
+        print(page.rstrip("\n"), flush=True)
+    except BrokenPipeError:  # `safetorch explain ST003 | head`
+        sys.stdout = None  # type: ignore[assignment]  (nothing more to flush at exit)
     return 0
+
+
+def _join_threads() -> None:
+    """Wait for the program's non-daemon threads, as the interpreter does at exit (it would, after this returns)."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon and thread.is_alive():
+            thread.join()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         for token in _config._split(value or ""):
             if _rules.resolve(token) is None:
                 return _fail(f"{option}: unknown rule {token!r}; valid rules are {_rules.valid_tokens()}")
+    if ns.select is not None and not _config._split(ns.select):
+        return _fail(f"--select names no rule; valid rules are {_rules.valid_tokens()}")
 
     module = ns.module[0] if ns.module else None
     args = ns.module[1:] if ns.module else ns.program
@@ -157,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["SAFETORCH_RUNNER"] = "1"
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (boot, os.environ.get("PYTHONPATH", "")) if p)
 
-    if os.environ.get(_config.PYPROJECT_ENV) in (None, _config.exported[0]):
-        # [tool.safetorch] as a plain run finds it, from the script (this package's import looked from elsewhere)
-        found = _config.find_pyproject(os.path.dirname(os.path.abspath(args[0]))) if module is None else None
+    if _config.PYPROJECT_ENV not in os.environ:
+        # [tool.safetorch] as a plain run finds it, from the script (a directory or zip: from itself), for every
+        # process of the run
+        found = None
+        if module is None:
+            target = os.path.abspath(args[0])
+            found = _config.find_pyproject(target if os.path.isdir(target) else os.path.dirname(target))
         os.environ[_config.PYPROJECT_ENV] = found or _config.find_pyproject(os.getcwd()) or "0"  # 0: none, for all
-    from safetorch import _install
-
-    _install._env_config = None  # read again: the import of this package read it before the script was known
 
     import dataclasses
 
@@ -184,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         if exc.code not in (None, 0):
             raise  # the program's own failure wins
         status = 0
+    if status == 0 and not ns.exit_zero:
+        _join_threads()  # what they find counts, as Python waits for them before it exits
     # Under torchrun a rank's non-zero status is a crash to the agent (it tears the job down, or restarts it):
     # there the program's own status stands, and CI reads the report.
     if status == 0 and not ns.exit_zero and not _config.current.disabled and not _run.torchrun() \

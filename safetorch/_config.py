@@ -63,7 +63,11 @@ class Config:
         if ignore is not None:
             cfg = replace(cfg, ignore=parse_ignore_argument(ignore))
         if select is not None:
-            cfg = replace(cfg, select=parse_ignore_argument(select, "select="))
+            selected = parse_ignore_argument(select, "select=")
+            if not selected:
+                raise ValueError("safetorch: select= names no rule (None: every rule)")
+            # what is selected here, an ignore from a lower layer (environment, pyproject) does not undo
+            cfg = replace(cfg, select=selected, ignore=cfg.ignore if ignore is not None else cfg.ignore - selected)
         return cfg
 
     @property
@@ -150,7 +154,7 @@ def parse_report(raw: str) -> bool | str:
         return True
     if value.lower() in _FALSE:
         return False
-    return value
+    return os.path.abspath(value)  # now: the program may change its working directory before the report is written
 
 
 def _codes(tokens: Iterable[str], where: str, warn: Callable[[str], None] | None = None) -> frozenset[str]:
@@ -181,7 +185,13 @@ def from_environ(environ: dict[str, str] | os._Environ[str] | None = None, base:
     if "SAFETORCH_IGNORE" in env:
         changes["ignore"] = _codes(_split(env["SAFETORCH_IGNORE"]), "SAFETORCH_IGNORE")
     if env.get("SAFETORCH_SELECT", "").strip():
-        changes["select"] = _codes(_split(env["SAFETORCH_SELECT"]), "SAFETORCH_SELECT")
+        selected = _codes(_split(env["SAFETORCH_SELECT"]), "SAFETORCH_SELECT")
+        if selected:
+            changes["select"] = selected
+            if "SAFETORCH_IGNORE" not in env:  # what this layer selects, a lower layer's ignore does not undo
+                changes["ignore"] = cfg.ignore - selected
+        else:
+            _warn("SAFETORCH_SELECT names no rule; every rule stays on")
     if "SAFETORCH_REPORT" in env:
         changes["report"] = parse_report(env["SAFETORCH_REPORT"])
     if "SAFETORCH_STRICT" in env:
@@ -218,22 +228,32 @@ def find_pyproject(start: str | None = None) -> str | None:
 
 def _table(path: str) -> dict[str, Any] | None:
     """The file's ``[tool.safetorch]`` table; None when it has none, or cannot be read (then it says so)."""
+    mentions = b"safetorch" in _read(path)
     try:
         import tomllib
     except ImportError:  # Python 3.10: tomli, when installed
         try:
             import tomli as tomllib  # type: ignore[no-redef]
         except ImportError:
+            if mentions:
+                _warn_at(path, None, f"{path}: Python 3.10 reads pyproject.toml only with tomli installed "
+                                     "(pip install tomli); its [tool.safetorch] is ignored")
             return None
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except (OSError, ValueError) as exc:
-        if b"[tool.safetorch]" in _read(path):
-            _warn(f"{path} could not be read ({type(exc).__name__}: {exc}); its [tool.safetorch] is ignored")
+        if mentions:
+            _warn_at(path, None, f"{path} could not be read ({type(exc).__name__}: {exc}); its [tool.safetorch] "
+                                 "is ignored")
         return None
-    table = data.get("tool", {}).get("safetorch")
-    return table if isinstance(table, dict) else None
+    tool = data.get("tool")
+    table = tool.get("safetorch") if isinstance(tool, dict) else None
+    if table is not None and not isinstance(table, dict):
+        _warn_at(path, None, f"{path}: tool.safetorch must be a table ([tool.safetorch]), not {table!r}; it is "
+                             "ignored")
+        return None
+    return table
 
 
 def _read(path: str) -> bytes:
@@ -289,7 +309,11 @@ def from_pyproject(path: str) -> Config:
             if tokens is None:
                 _warn_at(path, key, f"{where}: {key} takes {KEYS[key]}, not {value!r}; it is ignored")
                 continue
-            changes[key] = _codes(tokens, f"{where} {key}", functools.partial(_warn_at, path, key))
+            codes = _codes(tokens, f"{where} {key}", functools.partial(_warn_at, path, key))
+            if key == "select" and not codes:
+                _warn_at(path, key, f"{where}: select names no rule; every rule stays on")
+                continue
+            changes[key] = codes
         elif key == "strict":
             if isinstance(value, bool):
                 changes[key] = value
@@ -299,7 +323,8 @@ def from_pyproject(path: str) -> Config:
             if isinstance(value, bool):
                 changes[key] = value
             elif isinstance(value, str) and value.strip():
-                changes[key] = os.path.join(os.path.dirname(path), value)
+                parsed = parse_report(value) if value.strip().lower() in _TRUE | _FALSE else value
+                changes[key] = parsed if isinstance(parsed, bool) else os.path.join(os.path.dirname(path), value)
             else:
                 _warn_at(path, key, f"{where}: report takes {KEYS[key]}, not {value!r}; it is ignored")
         elif key == "format":
@@ -321,34 +346,39 @@ def _starts() -> list[str]:
     starts = []
     if path and os.path.isfile(path):
         directory = os.path.dirname(os.path.abspath(path))
-        if not {"site-packages", "dist-packages"} & set(directory.split(os.sep)):
+        installed = {"site-packages", "dist-packages"} & set(directory.split(os.sep)) or any(
+            directory.startswith(os.path.join(prefix, "")) for prefix in {sys.prefix, sys.exec_prefix})
+        if not installed:
             starts.append(directory)
     starts.append(os.getcwd())
     return starts
 
 
-#: The path `load` put in the environment itself (the runner looks again from its script).
-exported: list[str | None] = [None]
-
-
 def load(environ: dict[str, str] | os._Environ[str] | None = None, start: str | None = None) -> Config:
-    """The configuration before explicit arguments: the environment over the nearest ``[tool.safetorch]`` (the one
-    the run's first process found, in a child) over the defaults. ``SAFETORCH_PYPROJECT=0`` reads none."""
+    """The configuration before explicit arguments: the environment over the nearest ``[tool.safetorch]`` over the
+    defaults. ``SAFETORCH_PYPROJECT`` names the file instead (the runner sets it for the run's processes, from its
+    script); ``SAFETORCH_PYPROJECT=0`` reads none."""
     env = os.environ if environ is None else environ
     given = env.get(PYPROJECT_ENV)
     if given is not None:
-        path = None if given.strip() in _FALSE else given
+        path = None if given.strip() in _FALSE else os.path.abspath(given)
+        if path is not None and not os.path.isfile(path):
+            _warn(f"{PYPROJECT_ENV}={given!r} is no file; no [tool.safetorch] is read")
+            path = None
     else:
         path = None
         for directory in [start] if start else _starts():
             path = find_pyproject(directory)
             if path is not None:
                 break
-        if environ is None and path is not None:  # the run's children read the same file, wherever they start
-            os.environ[PYPROJECT_ENV] = exported[0] = path
+
     base = from_pyproject(path) if path else Config()
     return from_environ(env, base)
 
+
+#: The working directory the program started in: the report's relative paths are relative to it, wherever the
+#: program has moved since.
+START_DIR = os.getcwd()
 
 #: The configuration in force: set by `safetorch.install()`, read by the reporter.
 current = Config()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pathlib
+import urllib.parse
 from typing import Any
 
 __all__ = ["entries", "github", "render", "sarif"]
@@ -54,13 +56,21 @@ def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _base() -> str:
+    """What relative paths are relative to: the checkout in GitHub Actions (``GITHUB_WORKSPACE``, whatever the step's
+    working directory), else the directory the program started in."""
+    from ._config import START_DIR
+
+    return os.environ.get("GITHUB_WORKSPACE") or START_DIR
+
+
 def _relative(path: str) -> str:
-    """A path as a repository's tools name it: relative to the working directory when inside it."""
+    """A path as a repository's tools name it: relative to `_base` when inside it, else absolute."""
     if path.startswith("<"):
         return path
-    absolute = os.path.abspath(path)
+    absolute = os.path.join(_base(), path) if not os.path.isabs(path) else path
     try:
-        rel = os.path.relpath(absolute)
+        rel = os.path.relpath(absolute, _base())
     except ValueError:  # another drive (Windows)
         return absolute
     return absolute if rel.startswith("..") else rel
@@ -72,13 +82,16 @@ def sarif(items: list[dict[str, Any]], version: str) -> dict[str, Any]:
     index = {r.code: i for i, r in enumerate(rules)}
     results = []
     for e in items:
-        uri = _relative(e["path"]).replace(os.sep, "/")
-        location: dict[str, Any] = {"physicalLocation": {"artifactLocation": {"uri": uri},
-                                                         "region": {"startLine": max(1, int(e["line"]))}}}
-        if not os.path.isabs(uri) and not uri.startswith("<"):
-            location["physicalLocation"]["artifactLocation"]["uriBaseId"] = "%SRCROOT%"
+        where = _relative(e["path"])
+        artifact: dict[str, Any]
+        if os.path.isabs(where):
+            artifact = {"uri": pathlib.Path(where).as_uri()}
+        else:
+            artifact = {"uri": urllib.parse.quote(where.replace(os.sep, "/")), "uriBaseId": "%SRCROOT%"}
+        locations = [] if where.startswith("<") else [  # code with no file (`python -c`, exec) has no location
+            {"physicalLocation": {"artifactLocation": artifact, "region": {"startLine": max(1, int(e["line"]))}}}]
         result: dict[str, Any] = {"ruleId": e["rule"], "level": "warning", "message": {"text": e["message"]},
-                                  "locations": [location],
+                                  "locations": locations,
                                   "properties": {"count": e["count"], "pids": e["pids"], "ranks": e["ranks"]}}
         if e["rule"] in index:
             result["ruleIndex"] = index[e["rule"]]
@@ -90,8 +103,7 @@ def sarif(items: list[dict[str, Any]], version: str) -> dict[str, Any]:
                    "defaultConfiguration": {"level": "warning"}} for r in rules],
     }
     run: dict[str, Any] = {"tool": {"driver": driver}, "results": results}
-    cwd = os.getcwd().replace(os.sep, "/")
-    run["originalUriBaseIds"] = {"%SRCROOT%": {"uri": "file://" + ("" if cwd.startswith("/") else "/") + cwd + "/"}}
+    run["originalUriBaseIds"] = {"%SRCROOT%": {"uri": pathlib.Path(_base()).as_uri() + "/"}}
     return {"$schema": SARIF_SCHEMA, "version": "2.1.0", "runs": [run]}
 
 

@@ -12,6 +12,7 @@ Design rules:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import re
@@ -533,7 +534,10 @@ def exit_summary() -> None:
             # The document is the summary: on stdout, after the program's own output, for a tool to read.
             text = document(cfg.format)
             if text and (_RANK == 0 or not _run.torchrun()):  # under torchrun, rank 0 prints the job's
-                print(text, flush=True)
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()  # the program's own output first
+                out = sys.__stdout__ or sys.stdout  # not where the program redirected sys.stdout
+                print(text, file=out, flush=True)
             _run.finish()
             return
         others = _from_others()

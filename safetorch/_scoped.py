@@ -23,6 +23,10 @@ __all__ = ["Finding", "findings", "ignore", "reset"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+#: The scopes entered in this context, innermost last (their tokens of `_report.scoped_off`).
+_entered: contextvars.ContextVar[tuple[contextvars.Token[frozenset[str]], ...]] = contextvars.ContextVar(
+    "safetorch_ignore_entered", default=())
+
 
 class ignore:  # noqa: N801  (used as a function: `with safetorch.ignore("ST003"):`)
     """Switch rules off for a block or a function, in this thread or task only::
@@ -34,30 +38,42 @@ class ignore:  # noqa: N801  (used as a function: `with safetorch.ignore("ST003"
         def probe(): ...
 
     An unknown code raises ValueError naming the valid ones. Findings inside are not reported, counted or raised.
+    A generator function cannot be decorated (its body runs after the call returned): use ``with`` inside it,
+    around code that does not yield — a scope that is open across a ``yield`` covers the caller's code while the
+    generator waits (contextvars follow the thread, not the generator).
     """
 
     def __init__(self, *rules: str | Iterable[str]) -> None:
         tokens: list[str] = []
         for rule in rules:
-            tokens.extend([rule] if isinstance(rule, str) else list(rule))
-        if tokens:
+            tokens.extend(_config._split(rule) if isinstance(rule, str) else list(rule))
+        if rules:  # ignore("ST001,ST003"), ignore(["ST001"]); an empty list names no rule
             self.codes = _config.parse_ignore_argument(tokens, "safetorch.ignore()")
+            if not self.codes:
+                raise ValueError("safetorch: safetorch.ignore() got no rule; call it without arguments for every rule")
         else:
             from ._rules import RULES
 
             self.codes = frozenset(RULES)
-        self._tokens: list[contextvars.Token[frozenset[str]]] = []
 
     def __enter__(self) -> ignore:
-        self._tokens.append(_report.scoped_off.set(_report.scoped_off.get() | self.codes))
+        # The token goes on a stack of the current context: one `ignore` object may be entered in several threads.
+        _entered.set((*_entered.get(), _report.scoped_off.set(_report.scoped_off.get() | self.codes)))
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        _report.scoped_off.reset(self._tokens.pop())
+        stack = _entered.get()
+        _entered.set(stack[:-1])
+        _report.scoped_off.reset(stack[-1])
 
     def __call__(self, func: F) -> F:
         codes = self.codes
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            # Its body runs at each next(), after a decorator's scope would have ended; a scope held across its
+            # yields would cover the caller's code instead.
+            raise TypeError(f"safetorch.ignore() cannot decorate the generator function {func.__qualname__}: write "
+                            "`with safetorch.ignore(...):` inside it, around the code between its yields")
         if inspect.iscoroutinefunction(func):
             @functools.wraps(func)
             async def run_async(*args: Any, **kwargs: Any) -> Any:

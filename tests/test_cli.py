@@ -286,3 +286,64 @@ def test_the_wheel_ships_the_rule_pages_and_py_typed(tmp_path: os.PathLike[str])
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "safetorch/py.typed" in names
     assert {f"safetorch/_docs/rules/{code}.md" for code in safetorch.RULES} <= names
+
+
+def test_a_selection_of_nothing_leaves_every_rule_on(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "pyproject.toml"), "w") as fh:
+        fh.write('[tool.safetorch]\nselect = ["ST0001"]\nignore = ["ST003"]\n')
+    proc = _safetorch([buggy], str(tmp_path))
+    assert "select names no rule; every rule stays on" in proc.stderr and "DiscardedConversionWarning" in proc.stderr
+    assert "EvalModeGradWarning" not in proc.stderr  # the file's ignore still holds
+    chosen = _safetorch(["--select", "ST003", buggy], str(tmp_path))  # an explicit select beats the file's ignore
+    assert "EvalModeGradWarning" in chosen.stderr and "DiscardedConversionWarning" not in chosen.stderr
+    empty = _safetorch(["--select", "", buggy], str(tmp_path))
+    assert empty.returncode == 2 and "--select names no rule" in empty.stderr
+
+
+def test_a_pyproject_whose_tool_is_no_table_is_no_crash(buggy: str, tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "pyproject.toml"), "w") as fh:
+        fh.write('tool = "x"\n')
+    proc = _safetorch([buggy], str(tmp_path))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "DiscardedConversionWarning" in proc.stderr
+    with open(os.path.join(tmp_path, "pyproject.toml"), "w") as fh:
+        fh.write('[tool]\nsafetorch = 3\n')
+    proc = _safetorch([buggy], str(tmp_path))
+    assert "tool.safetorch must be a table" in proc.stderr and "DiscardedConversionWarning" in proc.stderr
+
+
+def test_the_runner_reads_only_its_scripts_pyproject(tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "pyproject.toml"), "w") as fh:
+        fh.write("[tool.safetorch]\nbogus = 1\n")
+    project = os.path.join(tmp_path, "proj")
+    os.makedirs(project)
+    with open(os.path.join(project, "pyproject.toml"), "w") as fh:
+        fh.write('[tool.safetorch]\nignore = ["ST001"]\n')
+    with open(os.path.join(project, "f.py"), "w") as fh:
+        fh.write("import torch\ntorch.ones(2).double()\n")
+    proc = _safetorch(["proj/f.py"], str(tmp_path))
+    assert proc.returncode == 0 and proc.stderr == ""  # no word of the working directory's file: it is not used
+
+
+def test_findings_of_threads_count_and_paths_are_the_starts(tmp_path: os.PathLike[str]) -> None:
+    script = os.path.join(tmp_path, "threads.py")
+    with open(script, "w") as fh:
+        fh.write(textwrap.dedent("""\
+            import os, sys, threading, time, torch
+            def late():
+                time.sleep(0.3)
+                torch.ones(2).double()
+            threading.Thread(target=late).start()
+            os.makedirs("sub", exist_ok=True)
+            os.chdir("sub")
+            sys.stdout = open("log.txt", "w")
+            print("the program's log")
+        """))
+    proc = _safetorch(["--format", "json", "threads.py"], str(tmp_path))
+    assert proc.returncode == 1, proc.stderr  # the thread's finding came after the script's last line
+    data = json.loads(proc.stdout)  # the document alone: the program's own output went to its log
+    assert [(e["rule"], e["path"], e["line"]) for e in data] == [("ST001", script, 4)]
+    report = _safetorch(["--report", "r.json", "--exit-zero", "threads.py"], str(tmp_path))
+    assert report.returncode == 0 and os.path.exists(os.path.join(tmp_path, "r.json"))  # not sub/r.json
+    github = _safetorch(["--format", "github", "threads.py"], str(tmp_path), GITHUB_WORKSPACE=os.path.dirname(
+        str(tmp_path)))
+    assert f"::warning file={os.path.basename(str(tmp_path))}/threads.py,line=4," in github.stdout

@@ -126,3 +126,38 @@ def test_strict_mode_respects_the_scope() -> None:
             _discard(torch.ones(2))
     finally:
         safetorch.install(strict=False)
+
+
+def test_one_ignore_object_entered_in_two_threads(shown: list[warnings.WarningMessage]) -> None:
+    quiet = safetorch.ignore("ST001")
+    inside, errors = threading.Barrier(2, timeout=30), []
+
+    def work() -> None:
+        try:
+            with quiet:
+                inside.wait()
+                _discard(torch.ones(2))
+                inside.wait()
+        except Exception as exc:  # a token reset in another context would raise ValueError here
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and _st(shown) == []
+    _discard(torch.ones(2))
+    assert len(_st(shown)) == 1
+
+
+def test_ignore_arguments() -> None:
+    assert safetorch.ignore("ST001,eval-mode-grad").codes == {"ST001", "ST003"}
+    assert safetorch.ignore(["ST004"], "ST007").codes == {"ST004", "ST007"}
+    assert safetorch.ignore().codes == set(safetorch.RULES)
+    with pytest.raises(ValueError, match="got no rule"):
+        safetorch.ignore([])
+    with pytest.raises(TypeError, match="cannot decorate the generator function .*gen.*with safetorch.ignore"):
+        @safetorch.ignore("ST001")
+        def gen() -> Iterator[int]:
+            yield 1
