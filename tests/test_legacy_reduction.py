@@ -134,7 +134,8 @@ def test_elementwise_mean_is_stored_as_mean() -> None:
         module = nn.MSELoss(reduction="elementwise_mean"); line = lineno()  # noqa: E702
     assert module.reduction == "mean"
     assert [(w.lineno, str(w.message)) for w in got] == [
-        (line, "ST002 reduction='elementwise_mean' is legacy: write reduction='mean' in nn.MSELoss(...)")]
+        (line, "ST002 reduction='elementwise_mean' is legacy: write reduction='mean' in nn.MSELoss(...) "
+               "(safetorch explain ST002)")]
     x, y = torch.randn(3), torch.randn(3)
     with findings() as got:
         value = F.mse_loss(x, y, reduction="elementwise_mean")
