@@ -123,7 +123,7 @@ def test_mp_spawn_children_are_checked_under_the_runner(tmp_path: Any) -> None:
     assert list(found) == [("ST001", 8)] and len(found[("ST001", 8)]["pids"]) == 2
     assert proc.stderr.count("DiscardedConversionWarning: ST001 x.double()") == 1  # once for the run
     assert "1 of them from 2 other process(es) of this run" in proc.stderr
-    assert proc.stderr.count("safetorch: ") == 1  # one summary: the children print none
+    assert proc.stderr.count(" finding(s) at ") == 1  # one summary: the children print none
 
 
 FORKED = """\
@@ -194,7 +194,7 @@ def test_a_spawned_dataloader_workers_finding_reaches_the_report(tmp_path: Any) 
     found = _report(report)
     assert list(found) == [("ST001", 11)] and found[("ST001", 11)]["count"] >= 2
     assert proc.stderr.count("DiscardedConversionWarning: ST001 x.float()") == 1  # not once per worker
-    assert proc.stderr.count("safetorch: ") == 1
+    assert proc.stderr.count(" finding(s) at ") == 1  # one summary
 
 
 KILLED = """\
