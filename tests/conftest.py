@@ -82,3 +82,17 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 30
     full_env["PYTHONPATH"] = os.pathsep.join([ROOT, LIBRARIES, full_env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
                           timeout=timeout, cwd=ROOT)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without SAFETORCH_* settings, with the checkout importable, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def run_runner(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m safetorch *args`` in ``cwd``, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "safetorch", *args], capture_output=True, text=True, cwd=cwd,
+                          env=clean_env(**env), timeout=300)

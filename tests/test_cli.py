@@ -14,6 +14,8 @@ import pytest
 import safetorch
 
 from .conftest import ROOT
+from .conftest import clean_env as _env
+from .conftest import run_runner as _safetorch
 
 BUGGY = textwrap.dedent("""\
     import torch
@@ -25,18 +27,6 @@ BUGGY = textwrap.dedent("""\
         y = model(x)
     print("done")
 """)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
-def _safetorch(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "safetorch", *args], capture_output=True, text=True, cwd=cwd,
-                          env=_env(**env), timeout=300)
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ import pytest
 import safetorch
 
 from .conftest import ROOT
+from .conftest import clean_env as _env
+from .conftest import run_runner as _run
 
 SCRIPT = textwrap.dedent("""\
     import sys
@@ -26,18 +28,6 @@ SCRIPT = textwrap.dedent("""\
         print("main block")
     raise SystemExit(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
 """)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
-
-
-def _run(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "safetorch", *args], capture_output=True, text=True, cwd=cwd,
-                          env=_env(**env), timeout=300)
 
 
 def _plain(args: list[str], cwd: str, **env: str) -> subprocess.CompletedProcess[str]:
