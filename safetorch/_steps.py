@@ -11,9 +11,14 @@ stepped. Between windows no hook stands and a step pays nothing; the backwards a
 (`safetorch._backward.call_after`), which also takes the hook away, at the next backward after the last window
 closes: torch iterates over its hook dict while it calls a hook, whose size must not change then.
 
-A ``step(closure)`` (LBFGS, Lightning's automatic optimisation) is never looked at: the closure computes the gradients
-inside ``step()``, after the pre-hook ran; it closes that optimizer's window. A program that never calls backward
-(gradients set by hand) gets an optimizer's first steps looked at, and no sample.
+A ``step(closure)`` (LBFGS, Lightning's automatic optimisation) computes its gradients inside ``step()``, after the
+pre-hook ran: the listeners that read gradients before a step are not called for it; a *closure listener* may hand
+back a closure of its own that calls the user's (ST011 looks at what the closure's backwards do), and the step counts
+in the window as any other. A program that never calls backward (gradients set by hand) gets an optimizer's first
+steps looked at, and no sample.
+
+An *after listener* is called right after a looked-at step (a global post-hook that stands exactly when the pre-hook
+does), for a check that compares what the step did (ST018).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from types import FrameType
 from typing import Any
 
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from . import _backward
 from ._callsite import method_call
@@ -46,8 +51,19 @@ SAMPLE = 2
 #: is a finding.
 Listener = Callable[[Optimizer, int, FrameType, bool], None]
 
+#: ``after(optimizer, look, caller)``: right after the looked-at step ``look`` (not after a ``step(closure)``).
+After = Callable[[Optimizer, int, FrameType], None]
+#: ``wrap(optimizer, closure, caller)`` returns the closure that ``step()`` is to call instead of ``closure``.
+ClosureListener = Callable[[Optimizer, Callable[[], Any], FrameType], Callable[[], Any]]
+
 _listeners: dict[str, Listener] = {}
 _now: tuple[Listener, ...] = ()
+_after: dict[str, After] = {}
+_after_now: tuple[After, ...] = ()
+_closures: dict[str, ClosureListener] = {}
+#: id(optimizer) -> the look of its step in progress, set by the pre-hook for the post-hook (after listeners only).
+_stepping: dict[int, int] = {}
+_post_handle: Any = None
 #: id(optimizer) -> [weak reference to it, steps looked at, steps left in its window]. Not a WeakKeyDictionary: its
 #: Python-level get/set cost about a microsecond per step; this is a dict lookup and a weakref call.
 _steps: dict[int, list[Any]] = {}
@@ -71,12 +87,25 @@ def _known(optimizer: Optimizer) -> list[Any]:
 
 def _arm() -> None:
     """Put the hook in place (when it is not), for at most `EVERY` backwards from now."""
-    global _handle
+    global _handle, _post_handle
     if not _listeners:
         return
     if _handle is None:
         _handle = register_optimizer_step_pre_hook(_before_step)
+    if _after and _post_handle is None:
+        _post_handle = register_optimizer_step_post_hook(_after_step)
     _backward.call_after(EVERY, _tick)
+
+
+def _disarm() -> None:
+    global _handle, _post_handle
+    if _handle is not None:
+        _handle.remove()
+        _handle = None
+    if _post_handle is not None:
+        _post_handle.remove()
+        _post_handle = None
+    _stepping.clear()
 
 
 def _open(entry: list[Any]) -> bool:
@@ -101,8 +130,7 @@ def _tick() -> None:
                 if entry[1]:
                     entry[2] = 0
             if not any(_open(entry) for entry in _steps.values()):
-                _handle.remove()
-                _handle = None
+                _disarm()
             _backward.call_after(EVERY, _tick)
             return
         for key, entry in list(_steps.items()):
@@ -118,25 +146,56 @@ def _tick() -> None:
         internal_error("ST010", exc)
 
 
-def _before_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _before_step(optimizer: Optimizer, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     entry = _steps.get(id(optimizer))
     if entry is None or entry[0]() is not optimizer:
         entry = _entry(optimizer)
     if not entry[2]:
-        return  # its window is closed; another optimizer's keeps the hook in place
-    if len(args) > 1 and args[1] is not None or kwargs and kwargs.get("closure") is not None:  # args[0]: optimizer
-        entry[2] = 0
-        _window_closed()
-        return
+        return None  # its window is closed; another optimizer's keeps the hook in place
+    closure = args[1] if len(args) > 1 else kwargs.get("closure") if kwargs else None  # args[0]: the optimizer
     left = entry[2] = entry[2] - 1
     n = entry[1] = entry[1] + 1
     if not left:
         _window_closed()
     if is_compiling():
-        return
+        return None
     caller = sys._getframe(2)  # the hook <- torch's step wrapper <- the caller of step()
+    if closure is not None:
+        return _wrap_closure(optimizer, closure, caller, args, kwargs)
     for listener in _now:
         listener(optimizer, n, caller, left > 0)
+    if _after:
+        _stepping[id(optimizer)] = n
+    return None
+
+
+def _wrap_closure(optimizer: Optimizer, closure: Callable[[], Any], caller: FrameType, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Hand ``step()`` the closure the closure listeners make of the user's (None: nothing to change)."""
+    if not _closures:
+        return None
+    try:
+        wrapped = closure
+        for make in _closures.values():
+            wrapped = make(optimizer, wrapped, caller)
+        if wrapped is closure:
+            return None
+        if len(args) > 1:
+            return (args[0], wrapped, *args[2:]), kwargs
+        return args, {**kwargs, "closure": wrapped}
+    except Exception as exc:
+        internal_error("ST011", exc)
+        return None
+
+
+def _after_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    n = _stepping.pop(id(optimizer), None)
+    if n is None:
+        return  # not a looked-at step (another optimizer's window keeps the hooks in place)
+    caller = sys._getframe(2)  # the hook <- torch's step wrapper <- the caller of step()
+    for after in _after_now:
+        after(optimizer, n, caller)
 
 
 def _constructed(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -151,22 +210,37 @@ def _constructed(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
     return result
 
 
-def listen(code: str, listener: Listener) -> None:
-    global _now
-    _listeners[code] = listener
-    _now = tuple(_listeners.values())
+def _noop(optimizer: Optimizer, look: int, caller: FrameType, more: bool) -> None:
+    pass
+
+
+def listen(code: str, listener: Listener | None = None, after: After | None = None,
+           closure: ClosureListener | None = None) -> None:
+    """Add ``code``'s listeners: before a looked-at step, right after it, and around a ``step(closure)``'s closure."""
+    global _now, _after_now
+    _listeners[code] = listener or _noop
+    _now = tuple(f for f in _listeners.values() if f is not _noop)
+    if after is not None:
+        _after[code] = after
+        _after_now = tuple(_after.values())
+    if closure is not None:
+        _closures[code] = closure
     registry.wrap(Optimizer, "__init__", _constructed, GROUP)
     _arm()
 
 
 def unlisten(code: str) -> None:
-    global _now, _handle
+    global _now, _after_now, _post_handle
     _listeners.pop(code, None)
-    _now = tuple(_listeners.values())
+    _after.pop(code, None)
+    _closures.pop(code, None)
+    _now = tuple(f for f in _listeners.values() if f is not _noop)
+    _after_now = tuple(_after.values())
+    if not _after and _post_handle is not None:
+        _post_handle.remove()
+        _post_handle = None
     if not _listeners:
-        if _handle is not None:
-            _handle.remove()
-            _handle = None
+        _disarm()
         _backward.cancel_call()
         registry.restore(GROUP)
         _steps.clear()

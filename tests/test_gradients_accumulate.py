@@ -188,3 +188,138 @@ def test_no_watch_outlives_the_looked_at_steps() -> None:
         F.cross_entropy(model(x), y).backward()
         opt.step()
     assert not any(p._backward_hooks for p in model.parameters())
+
+
+# The loop shapes of the reference trainers (torchvision's classification reference, timm's train.py, cleanrl's PPO),
+# written here: something changes every gradient in place between backward() and step(). ``forget`` drops the
+# zero_grad() the real loop has.
+def _clip(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # the small limit clips at every step
+
+
+def _average(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():  # what a hand-written all_reduce then divide does to a rank's gradient
+        if p.grad is not None:
+            p.grad.mul_(0.5).add_(0.01)
+
+
+def _reference_loop(between: Callable[[torch.nn.Module, torch.optim.Optimizer], None], forget: bool,
+                    set_to_none: bool = True, scaler: bool = False) -> tuple[list[torch.Tensor], int | None]:
+    model, opt, x, y = _setup()
+    amp = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+    line = None
+    for epoch in range(2):
+        for k in range(3):  # minibatches (PPO's update epochs over a rollout)
+            if not forget:
+                opt.zero_grad(set_to_none=set_to_none)
+            loss = F.cross_entropy(model(x[k::3]), y[k::3])
+            if amp is not None:
+                amp.scale(loss).backward()
+                amp.unscale_(opt)
+                between(model, opt)
+                amp.step(opt); line = lineno()  # noqa: E702
+                amp.update()
+            else:
+                loss.backward()
+                between(model, opt)
+                opt.step(); line = lineno()  # noqa: E702
+    return [p.detach().clone() for p in model.parameters()], line
+
+
+SHAPES = {"clip_grad_norm_ (torchvision, cleanrl)": (_clip, False), "GradScaler.unscale_ + clip (timm)": (_clip, True),
+          "all_reduce by hand": (_average, False)}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_forgotten_zero_grad_is_found_when_gradients_change_in_place_before_the_step(shape: str) -> None:
+    between, scaler = SHAPES[shape]
+    with findings() as got:
+        on, line = _reference_loop(between, forget=True, scaler=scaler)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(GradientsAccumulateWarning, __file__, line)]
+    assert "step() uses the sum of the gradients of every step so far" in str(got[0].message)
+    safetorch.uninstall()
+    off, _ = _reference_loop(between, forget=True, scaler=scaler)
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_reference_loops_with_their_zero_grad_stay_silent_with_the_same_numbers(shape: str,
+                                                                                     set_to_none: bool) -> None:
+    between, scaler = SHAPES[shape]
+    with findings() as got:
+        on, _ = _reference_loop(between, forget=False, set_to_none=set_to_none, scaler=scaler)
+    assert got == []
+    safetorch.uninstall()
+    off, _ = _reference_loop(between, forget=False, set_to_none=set_to_none, scaler=scaler)
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def test_a_reset_after_the_last_backward_stays_silent() -> None:
+    # zero_grad() between backward() and step() is ST010's finding (nothing to update), never ST011's.
+    model, opt, x, y = _setup()
+    with findings() as got:
+        for _ in range(4):
+            F.cross_entropy(model(x), y).backward()
+            opt.zero_grad(set_to_none=False)
+            opt.step()
+    assert [w for w in got if w.category is GradientsAccumulateWarning] == []
+
+
+def _lbfgs(zero: bool, calls: int = 4) -> tuple[list[torch.Tensor], int]:
+    model, _, x, y = _setup()
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=calls, history_size=3)
+
+    def closure() -> torch.Tensor:
+        if zero:
+            opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure); line = lineno()  # noqa: E702
+    return [p.detach().clone() for p in model.parameters()], line
+
+
+def test_a_closure_that_forgets_zero_grad_is_found_at_the_step_line() -> None:
+    with findings() as got:
+        on, line = _lbfgs(zero=False)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(GradientsAccumulateWarning, __file__, line - 0)]
+    message = str(got[0].message)
+    assert message.startswith("ST011 the closure passed to opt.step(closure) does not reset the gradients")
+    assert "Call opt.zero_grad() first thing in the closure" in message
+    safetorch.uninstall()
+    off, _ = _lbfgs(zero=False)
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def test_a_closure_that_zeroes_stays_silent_with_the_same_numbers() -> None:
+    with findings() as got:
+        on, _ = _lbfgs(zero=True)
+    assert got == []
+    safetorch.uninstall()
+    off, _ = _lbfgs(zero=True)
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def test_a_closure_called_once_per_step_that_accumulates_on_purpose_stays_silent() -> None:
+    # Lightning's automatic optimisation with accumulate_grad_batches: the batches before the stepping one backward
+    # outside step(), and the stepping batch's closure adds to them without zeroing (it zeroed at the first batch).
+    model, opt, x, y = _setup()
+
+    def closure() -> torch.Tensor:
+        loss = F.cross_entropy(model(x[4:]), y[4:]) / 2
+        loss.backward()
+        return loss
+
+    with findings() as got:
+        for _ in range(4):
+            opt.zero_grad()
+            (F.cross_entropy(model(x[:4]), y[:4]) / 2).backward()
+            opt.step(closure)
+    assert got == []

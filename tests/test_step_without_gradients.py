@@ -210,7 +210,9 @@ def test_an_idle_optimizer_does_not_keep_the_hook() -> None:
     assert not _steps.armed()
 
 
-def test_a_closure_step_closes_the_window() -> None:
+def test_closure_steps_count_in_the_window_and_no_gradient_check_judges_them() -> None:
+    # The gradients of a step(closure) are made inside step(): ST010/ST011's before-step looks do not run for it (the
+    # closure's calls are ST011's to watch), but the step counts in the window, which closes as any other.
     from safetorch import _steps
 
     model = torch.nn.Linear(4, 3)
@@ -223,6 +225,10 @@ def test_a_closure_step_closes_the_window() -> None:
         loss.backward()
         return loss
 
-    opt.step(closure)
-    opt.step(closure)
-    assert not _steps.armed() and _steps.looked_at(opt) == 0
+    with findings() as found:
+        for _ in range(_steps.FIRST):
+            opt.step(closure)
+        assert _steps.looked_at(opt) == _steps.FIRST
+        opt.step(closure)  # its closure's backward takes the hook away: the window has closed
+    assert not _steps.armed() and _steps.looked_at(opt) == _steps.FIRST
+    assert found == []

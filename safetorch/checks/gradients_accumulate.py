@@ -6,16 +6,28 @@ of consecutive steps every 1024 backwards) the first parameter with a gradient i
 step. Eight elements of its gradient are copied, and a tensor hook on the parameter — called by each backward that
 reaches it, *before* the gradient is accumulated — checks that the ``.grad`` tensor is still the same object and still
 holds exactly the values expected had nothing reset it (the copy, plus what each earlier backward of the interval
-added). If that chain holds up to the next ``step()``, the gradient that step uses contains the previous step's: ST011
-at the step line.
+added). If that chain holds at every backward of the interval (at least one) up to the next ``step()``, and the
+gradient is not all zeros then, nothing reset it between the two steps: the gradient that step uses contains the
+previous step's. ST011 at the step line.
 
-Any reset breaks the chain and keeps the rule silent: ``zero_grad()`` (``set_to_none`` or not), ``p.grad = None``,
-``p.grad.zero_()``, ``p.grad.data.zero_()`` (invisible to version counters, not to values), and any other in-place
-change (``clip_grad_norm_``, ``GradScaler.unscale_``, DDP's averaging) — so the rule can miss a forgotten
-``zero_grad()`` in such loops, but it cannot fire on a loop that resets its gradients. Correct gradient accumulation
-(several backwards, one step, then zero) resets before the interval's first backward: silent. A copy whose eight
-elements are all zero proves nothing (a reset would not change it): silent, and so is a chain whose predicted values
-are all zero at some backward (a GAN's discriminator loss can cancel the generator's step gradient exactly).
+What happens *after* the interval's last backward is not compared value for value: clipping
+(``clip_grad_norm_``), ``GradScaler.unscale_``, DDP's averaging of the accumulated gradient and a hand-written
+``all_reduce`` change every value in place there, but none of them resets anything (torchvision's and timm's
+reference loops, cleanrl's PPO: a forgotten ``zero_grad()`` in them is found). A reset shows either at a later
+backward (the values no longer follow the chain: ``zero_grad()`` with ``set_to_none`` or not, ``p.grad = None``,
+``p.grad.zero_()``, ``p.grad.data.zero_()`` — invisible to version counters, not to values), or at the step (a gradient
+set to None, replaced, or all zeros): silent. Correct gradient accumulation (several backwards, one step, then zero)
+resets before the interval's first backward: silent, with DDP's ``no_sync()`` too. A GAN's generator backward reaches
+the discriminator's parameters after the discriminator's step, but the discriminator's ``zero_grad()`` comes before
+its own next backward, which sees the reset: silent. A copy whose eight elements are all zero proves nothing (a reset
+would not change it): silent, and so is a chain whose predicted values are all zero at some backward (a GAN's
+discriminator loss can cancel the generator's step gradient exactly).
+
+``step(closure)`` (LBFGS): the closure is called several times within one step and must compute fresh gradients each
+time. Its calls are watched the same way: when the first backward of a call finds the gradient still holding what
+the previous call of that step left (non-zero, same tensor), the closure forgot ``zero_grad()``: ST011 at the
+``step(closure)`` line. A closure called once per step (Lightning's automatic optimisation, which accumulates over
+batches through it on purpose) is never judged.
 
 Cost: nothing on the steps not looked at; on a watched interval a few 8-element tensor operations. The decision, a
 bool on the gradient's device, is read through `safetorch._deferred`: on an accelerator it never makes the host wait
@@ -26,6 +38,7 @@ ends: nothing kept grows with the number of steps.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -135,12 +148,14 @@ def _start(optimizer: Optimizer, step: int) -> None:
 
 def _stale(watch: _Watch) -> torch.Tensor | None:
     """At the step after the watched one: a bool tensor, on the gradient's device, True when the gradient still
-    carries the watched step's values; None when it is known not to."""
+    carries the watched step's values; None when it is known not to. After the last backward of the interval the
+    values may have been scaled or averaged in place (clipping, unscaling, DDP): only a gradient that is all zeros
+    then was reset."""
     param, grad = watch.param(), watch.grad()
     if watch.broken or not watch.fired or param is None or grad is None or param.grad is not grad:
         return None
     now = _head(grad)
-    return None if now is None else watch.ok & (now == watch.expected).all()
+    return None if now is None else watch.ok & now.ne(0).any()
 
 
 def _decided(stale: Any, spot: Spot) -> None:
@@ -173,8 +188,100 @@ def _look(optimizer: Optimizer, step: int, caller: FrameType, more: bool) -> Non
         internal_error(CODE, exc)
 
 
+class _ClosureWatch:
+    """The calls of one ``step(closure)``'s closure: after each call, the watched gradient's head; at the first
+    backward of the next call, whether the gradient still holds it (nothing reset it in between)."""
+
+    __slots__ = ("closure", "spot", "optimizer", "param", "grad", "left", "handle", "first", "decided")
+
+    def __init__(self, optimizer: Optimizer, closure: Callable[[], Any], spot: Spot) -> None:
+        self.closure, self.spot, self.optimizer = closure, spot, weakref.ref(optimizer)
+        self.param: weakref.ref[torch.Tensor] | None = None
+        self.grad: weakref.ref[torch.Tensor] | None = None
+        self.left: torch.Tensor | None = None
+        self.handle: Any = None
+        self.first = True
+        self.decided = False
+
+    def __call__(self) -> Any:
+        self._arm()
+        try:
+            return self.closure()
+        finally:
+            self._stop()
+            self._remember()
+
+    def _arm(self) -> None:
+        param = self.param() if self.param is not None else None
+        if self.decided or param is None or self.left is None:
+            return
+        self.first = True
+
+        @unserializable_hook
+        def hook(incoming: torch.Tensor, watch: _ClosureWatch = self) -> None:
+            watch._on_backward()
+
+        self.handle = param.register_hook(hook)
+
+    def _on_backward(self) -> None:
+        try:
+            if not self.first or self.decided:
+                return
+            self.first = False
+            param, grad = self.param() if self.param else None, self.grad() if self.grad else None
+            if param is None or grad is None or param.grad is not grad or self.left is None:
+                return
+            now = _head(grad)
+            if now is None or now.shape != self.left.shape:
+                return
+            self.decided = True
+            _deferred.check((now == self.left).all() & self.left.ne(0).any(), _closure_decided, self.spot, CODE)
+        except Exception as exc:
+            internal_error(CODE, exc)
+
+    def _stop(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def _remember(self) -> None:
+        """After a call: the head of the first parameter's gradient, as the closure left it."""
+        optimizer = self.optimizer()
+        self.left = None
+        if optimizer is None or self.decided:
+            return
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or not p.requires_grad or g.requires_grad:
+                    continue
+                head = _head(g)
+                if head is None:
+                    continue
+                self.param, self.grad, self.left = weakref.ref(p), weakref.ref(g), head.clone()
+                return
+
+
+def _closure_decided(stale: Any, spot: Spot) -> None:
+    if stale:
+        name = method_call(spot, "step", 1)[0] or "optimizer"  # step(closure): one argument
+        report_at(CODE, spot.f_code.co_filename, spot.f_lineno, spot.f_globals, lambda: _closure_message(name))
+
+
+def _closure_message(name: str) -> str:
+    return (f"{CODE} the closure passed to {name}.step(closure) does not reset the gradients: {name}.step() calls it "
+            f"several times, and each call's backward() added to the gradients the previous call left, so every "
+            f"evaluation after the first sees the sum of all of them. Call {name}.zero_grad() first thing in the "
+            f"closure, before loss.backward()")
+
+
+def _wrap(optimizer: Optimizer, closure: Callable[[], Any], caller: FrameType) -> Callable[[], Any]:
+    frame = user_frame(caller)
+    return closure if frame is None else _ClosureWatch(optimizer, closure, Spot(frame))
+
+
 def install(registry: Registry) -> None:
-    _steps.listen(CODE, _look)
+    _steps.listen(CODE, _look, closure=_wrap)
 
 
 def uninstall() -> None:
