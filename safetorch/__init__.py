@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # the same classes, named for type checkers, which cannot see
         ProbabilitiesIntoLogitsLossWarning as ProbabilitiesIntoLogitsLossWarning,
     )
     from .checks.state_dict_loaded_nothing import StateDictLoadedNothingWarning as StateDictLoadedNothingWarning
+    from .checks.step_changed_nothing import StepChangedNothingWarning as StepChangedNothingWarning
     from .checks.step_without_gradients import StepWithoutGradientsWarning as StepWithoutGradientsWarning
     from .checks.volatile_variable import VolatileVariableWarning as VolatileVariableWarning
 

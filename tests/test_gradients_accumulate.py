@@ -208,7 +208,7 @@ def _reference_loop(between: Callable[[torch.nn.Module, torch.optim.Optimizer], 
     model, opt, x, y = _setup()
     amp = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
     line = None
-    for epoch in range(2):
+    for _epoch in range(2):
         for k in range(3):  # minibatches (PPO's update epochs over a rollout)
             if not forget:
                 opt.zero_grad(set_to_none=set_to_none)

@@ -44,7 +44,8 @@ def _message(optimizer: Optimizer, name: str) -> str:
                 f"after freezing: {kind}((p for p in model.parameters() if p.requires_grad), ...)")
     return (f"{head}. Either backward() did not reach them — the optimizer was built over other tensors than the "
             f"loss uses (a copy of the model, parameters replaced after {kind}(...) was built: build it after "
-            f"model.to(device) and any re-initialisation) — or zero_grad() runs between loss.backward() and "
+            f"model.to(device), any re-initialisation and any wrapping that replaces them: fully_shard/FSDP) — or "
+            f"zero_grad() runs between loss.backward() and "
             f"{name}.step(): zero the gradients before backward(), or after step()")
 
 
