@@ -197,7 +197,7 @@ def test_from_pretrained_model_fine_tuned_without_train_runs_and_gets_st008() ->
 
 def test_st008_names_the_users_own_eval_line_after_a_validation() -> None:
     """The forgotten model.train() after validation: the program's eval(), an evaluation, then training."""
-    model = nn.Linear(3, 2)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Dropout(0.1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with findings() as got:
         model.eval(); eval_line = lineno()  # noqa: E702
@@ -212,6 +212,99 @@ def test_st008_names_the_users_own_eval_line_after_a_validation() -> None:
     assert (f"`model.eval(); eval_line = lineno()  # noqa: E702` at {__file__}:{eval_line} in "
             f"tests.test_eval_mode_grad.test_st008_names_the_users_own_eval_line_after_a_validation()") in str(
         got[0].message)
+
+
+class _Noisy(nn.Module):
+    """A block of the program's own whose forward reads ``self.training``: noise while training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + (torch.randn_like(x) if self.training else 0)
+
+
+class _OwnDropout(nn.Module):
+    """Functional dropout tied to the mode: no dropout module, yet eval mode switches it off."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.lin(x), 0.2, training=self.training)
+
+
+def _forgotten_train(make: Callable[[], nn.Module]) -> tuple[Any, list[float], int]:
+    """The forgotten model.train() after validation: eval(), an evaluation under no_grad, then training steps. The
+    weights, the losses, and the training forward's line."""
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(4, 3))
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(4, 3)).pow(2).mean(); line = lineno()  # noqa: E702
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return weights(model), losses, line
+
+
+@pytest.mark.parametrize(("make", "effects"), [
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Dropout(0.2), nn.Linear(4, 3)),
+     "dropout is off and BatchNorm uses its running statistics"),
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.2), nn.LayerNorm(4)), "dropout is off"),
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), "BatchNorm uses its running statistics"),
+    (lambda: nn.Sequential(nn.Linear(3, 4), nn.InstanceNorm1d(4, track_running_stats=True)),
+     "InstanceNorm uses its running statistics"),
+    (lambda: nn.Sequential(_Noisy(), nn.ReLU()), "_Noisy reads self.training"),
+    (_OwnDropout, "_OwnDropout reads self.training"),
+], ids=["dropout-and-batchnorm", "dropout", "batchnorm", "instancenorm-with-statistics", "own-block", "F.dropout"])
+def test_st008_names_only_what_eval_mode_changes_in_this_model(make: Callable[[], nn.Module], effects: str) -> None:
+    with findings() as got:
+        on = _forgotten_train(make)
+    line = on[2]
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(EvalModeTrainingWarning, __file__, line)]
+    assert str(got[0].message).startswith(
+        f"ST008 model ({type(make()).__name__}) is trained in eval mode: an optimizer updates its parameters, but "
+        f"{effects}. It was put in eval mode by `model.eval()` at {__file__}:")
+    safetorch.uninstall()
+    try:
+        off = _forgotten_train(make)
+    finally:
+        safetorch.install()
+    assert same(on, off)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: nn.Linear(3, 3),
+    lambda: nn.Sequential(nn.Linear(3, 8), nn.GELU(), nn.LayerNorm(8), nn.Dropout(0.0), nn.Linear(8, 3)),
+    lambda: nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False), nn.InstanceNorm1d(4),
+                          nn.Linear(4, 3)),
+], ids=["linear", "no-active-dropout", "norms-without-statistics"])
+def test_st008_is_silent_for_a_model_whose_numbers_eval_mode_does_not_change(make: Callable[[], nn.Module]) -> None:
+    """Nothing in the model reads the mode (no dropout, no running statistics, no block of its own that reads
+    self.training): trained in eval mode it computes exactly what it would in training mode. A program that prints
+    the same numbers either way gets no finding; one that adds a dropout or a BatchNorm later does."""
+    with findings() as got:
+        on = _forgotten_train(make)
+    assert got == []
+    safetorch.uninstall()
+    try:
+        off = _forgotten_train(make)
+    finally:
+        safetorch.install()
+    assert same(on, off)
+    model = make()
+    torch.manual_seed(0)
+    in_train_mode = [model.train()(x) for x in torch.randn(2, 4, 3)]
+    torch.manual_seed(0)
+    assert same(in_train_mode, [model.eval()(x) for x in torch.randn(2, 4, 3)])  # eval mode changes nothing
 
 
 def test_the_programs_own_eval_followed_straight_by_training_is_a_choice() -> None:

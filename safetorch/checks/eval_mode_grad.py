@@ -3,7 +3,9 @@
 People call ``model.eval()`` and believe it disables gradients; it only switches dropout and BatchNorm, and a
 validation loop without ``torch.no_grad()`` keeps every activation for a backward that never comes (ST003). The
 opposite mistake is as common and as silent: a model that is still in eval mode while it trains, because a library
-returned it that way (``from_pretrained``) or ``model.train()`` was forgotten after a validation pass (ST008).
+returned it that way (``from_pretrained``) or ``model.train()`` was forgotten after a validation pass (ST008). ST008
+names what eval mode changes in that model (`safetorch._modes`), and stays silent for a model whose numbers it does
+not change (no dropout, no running statistics, nothing of its own that reads ``training``).
 
 What happens, per call site (the user's line, the call instruction on it, and the module), for top-level calls only
 (a module called from inside another module's forward, through ``net(x)`` or a direct ``net.forward(x)``, is never
@@ -67,6 +69,7 @@ from .. import _backward
 from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
+from .._modes import eval_effects, joined
 from .._patch import MethodPatch, Registry, registry
 from .._report import internal_error, is_internal, report_at, rule_off, suppressed, user_frame
 from .._rule import Rule
@@ -622,7 +625,9 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
             site.st008 += 1
             if module is not None and not module.training and any(id(p) in held for p in module.parameters()) \
                     and (site.due or _st008_evidence(module)[0]):
-                found.append((site, module))
+                effects = eval_effects(module)
+                if effects:  # none: eval mode changes nothing this model computes, and the site is done
+                    found.append((site, effects))
             elif module is not None and site.st008 < _ST008_PATIENCE:
                 waiting.append(site)
         with _sites.lock:
@@ -635,15 +640,16 @@ def _step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
     except Exception as exc:
         internal_error(TRAINING_CODE, exc)
         return
-    for site, module in found:
+    for site, effects in found:
         report_at(TRAINING_CODE, site.filename, site.lineno, site.globals,
-                  lambda s=site, m=module: _st008_message(s, m))
+                  lambda s=site, e=effects: _st008_message(s, e))
 
 
-def _st008_message(site: _Site, module: torch.nn.Module) -> str:
+def _st008_message(site: _Site, effects: list[str]) -> str:
+    """``effects``: what eval mode changes in this model (`safetorch._modes.eval_effects`), never empty."""
     origin = _describe(site.origin)
     return (f"{TRAINING_CODE} {site.name} ({site.kind}) is trained in eval mode: an optimizer updates its parameters, "
-            f"but dropout is off and BatchNorm uses its running statistics. It was put in eval mode by {origin}. "
+            f"but {joined(effects)}. It was put in eval mode by {origin}. "
             f"Write: {site.name}.train() before the training loop (or SAFETORCH_IGNORE=ST008 if you train it in eval "
             f"mode on purpose)")
 
