@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import safetorch
 from safetorch import DiscardedConversionWarning, SafetorchError
+from safetorch.checks import discarded_conversion
 from safetorch.checks.discarded_conversion import METHODS
 
 from .conftest import findings, lineno
@@ -54,13 +55,75 @@ def test_discarded_result_warns_at_this_line(method: str, args: tuple[object, ..
 
 
 def test_message_names_the_variable_and_the_fix() -> None:
-    tensor = torch.zeros(2, 3, 10, 10)
+    tensor = torch.zeros(2, 3, 10, 10, dtype=torch.int64)
     with findings() as got:
         tensor.float()
     assert str(got[0].message) == (
         "ST001 tensor.float() returns a copy and its result is discarded; tensor is unchanged. "
         "Write: tensor = tensor.float() (safetorch explain ST001)"
     )
+
+
+def test_a_conversion_that_returned_the_tensor_itself_says_so() -> None:
+    """``.cpu()`` of a CPU tensor, ``.float()`` of a float one, ``.contiguous()`` of a contiguous one return the very
+    tensor: discarded, the line does nothing here, and throws a copy away on another device or dtype."""
+    x = torch.ones(2, 3)
+    with findings() as got:
+        x.cpu(); line = lineno()  # noqa: E702
+        x.float()
+        x.to("cpu")
+        x.to(torch.float32)
+        x.contiguous()
+        torch.ones(2).cpu()
+    assert [(w.category, w.filename) for w in got] == [(DiscardedConversionWarning, __file__)] * 6
+    assert [w.lineno for w in got] == list(range(line, line + 6))
+    assert str(got[0].message) == (
+        "ST001 x.cpu() returned x itself and its result is discarded: here the line does nothing, but on a tensor on "
+        "another device it returns a copy and x stays unchanged. Write: x = x.cpu() (safetorch explain ST001)")
+    assert [_text(w).split(": here", 1)[0] for w in got[1:]] == [
+        "ST001 x.float() returned x itself and its result is discarded",
+        'ST001 x.to("cpu") returned x itself and its result is discarded',
+        "ST001 x.to(torch.float32) returned x itself and its result is discarded",
+        "ST001 x.contiguous() returned x itself and its result is discarded",
+        "ST001 torch.ones(2).cpu() returned the tensor itself and its result is discarded"]
+    assert [_text(w).split("but on a tensor ", 1)[1].split(" it returns a copy")[0] for w in got[1:]] == [
+        "of another dtype", "on another device or of another dtype", "on another device or of another dtype",
+        "that is not contiguous", "on another device"]
+    assert _text(got[1]).endswith("Write: x = x.float()")
+    assert _text(got[5]).endswith("the tensor stays unchanged. Assign the result to a name and use that: "
+                                  "<name> = torch.ones(2).cpu()")
+
+
+def test_the_same_methods_that_made_a_copy_say_it_returns_a_copy() -> None:
+    x = torch.ones(2, 3, dtype=torch.int64)
+    y = torch.ones(3, 2).t()  # not contiguous
+    with findings() as got:
+        x.float()
+        x.to(torch.float32)
+        y.contiguous()
+    assert [_text(w) for w in got] == [
+        "ST001 x.float() returns a copy and its result is discarded; x is unchanged. Write: x = x.float()",
+        "ST001 x.to(torch.float32) returns a copy and its result is discarded; x is unchanged. "
+        "Write: x = x.to(torch.float32)",
+        "ST001 y.contiguous() returns a copy and its result is discarded; y is unchanged. Write: y = y.contiguous()"]
+
+
+def test_a_crash_note_leaves_out_a_conversion_that_returned_the_tensor_itself() -> None:
+    """It left the tensor where it already was: it cannot have caused a later device or dtype mismatch."""
+    x = torch.ones(2)
+    with findings():
+        x.float()
+        x.double(); line = lineno()  # noqa: E702
+    notes = discarded_conversion.crash_notes(RuntimeError("mat1 and mat2 must have the same dtype"))
+    assert [note.split(" discarded a conversion earlier")[0] for note in notes] == [f"safetorch: {__file__}:{line}"]
+
+
+def test_a_conversion_that_returns_the_tensor_itself_still_returns_it() -> None:
+    x = torch.ones(2, 3)
+    with findings():
+        kept = [x.cpu(), x.float(), x.to("cpu"), x.contiguous()]
+    assert all(k is x for k in kept)
+    assert x.dtype == torch.float32 and x.device.type == "cpu"
 
 
 def test_message_names_an_attribute_chain_and_keeps_arguments() -> None:
@@ -93,7 +156,7 @@ def test_message_for_a_receiver_that_is_not_a_name() -> None:
 
 
 def test_an_item_of_a_dict_or_list_is_assigned_back() -> None:
-    d, out, xs = {"a": torch.ones(2)}, [torch.ones(2)], [torch.ones(2), torch.ones(2)]
+    d, out, xs = {"a": torch.ones(2, dtype=torch.int64)}, [torch.ones(2)], [torch.ones(2), torch.ones(2)]
 
     class Batch:
         def __init__(self) -> None:
@@ -373,7 +436,6 @@ def test_two_functions_with_a_conversion_at_the_same_offset() -> None:
 def test_the_device_conversions_run_on_the_cpu_through_a_fake_device_method(method: str) -> None:
     """ST001's ``x.cuda()`` / ``x.to("cuda")`` lines, without CUDA: the same patch, over a method that returns a
     copy as CUDA's would."""
-    from safetorch.checks import discarded_conversion
 
     class OnDevice(torch.Tensor):
         pass

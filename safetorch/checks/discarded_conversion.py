@@ -46,11 +46,14 @@ METHODS = (
 _is_compiling = is_compiling
 
 
-def _message(frame: FrameType, method: str, nargs: int) -> str:
+def _message(frame: FrameType, method: str, nargs: int, itself: bool = False) -> str:
     """The fix assigns the result back to what the program converted (``x``, ``self.x``, ``batch["img"]``), the line
     a user pastes in place of theirs. Where nothing of the program's can take it (``make().float()``, ``t[0]`` of a
     tensor, an item of a tuple), it says so, with ``<name>`` as a visible placeholder rather than a made-up
-    variable that reads as one of theirs."""
+    variable that reads as one of theirs. ``itself``: the call returned its receiver (``.cpu()`` of a CPU tensor,
+    ``.float()`` of a float one): the line does nothing here, and throws a copy away where the tensor differs."""
+    if itself:
+        return _itself_message(frame, method, nargs)
     what = "returns a new tensor" if method == "detach" else "returns a copy"
     receiver, call = method_call(frame, method, nargs, assignable=True)
     if receiver is not None:
@@ -60,6 +63,33 @@ def _message(frame: FrameType, method: str, nargs: int) -> str:
                 f"name and use that: <name> = {call}")
     return (f"{CODE} tensor.{method}() {what} and its result is discarded; the tensor is unchanged. "
             f"Assign the result to a name and use that: <name> = <tensor>.{method}(...)")
+
+
+#: For a call that returned its receiver: the tensors on which the method returns a copy instead.
+_COPIES_ON = {
+    **dict.fromkeys(("cpu", "cuda", "xpu", "mps"), "on another device"),
+    **dict.fromkeys(("float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char", "cfloat",
+                     "cdouble", "chalf", "type", "type_as"), "of another dtype"),
+    "contiguous": "that is not contiguous",
+    "pin_memory": "that is not pinned",
+    "to_dense": "that is not dense",
+    "to_sparse": "that is not sparse",
+}
+
+
+_ITSELF = " itself and its result is discarded: here the line does nothing"
+
+
+def _itself_message(frame: FrameType, method: str, nargs: int) -> str:
+    on = _COPIES_ON.get(method, "on another device or of another dtype")
+    receiver, call = method_call(frame, method, nargs, assignable=True)
+    if receiver is not None:
+        return (f"{CODE} {call} returned {receiver}{_ITSELF}, but on a tensor {on} it returns a copy and {receiver} "
+                f"stays unchanged. Write: {receiver} = {call}")
+    fix = call if call is not None else f"<tensor>.{method}(...)"
+    call = call if call is not None else f"tensor.{method}()"
+    return (f"{CODE} {call} returned the tensor{_ITSELF}, but on a tensor {on} it returns a copy and the tensor stays "
+            f"unchanged. Assign the result to a name and use that: <name> = {fix}")
 
 
 class _Conversion(MethodPatch):
@@ -75,7 +105,7 @@ class _Conversion(MethodPatch):
                 # The hot path: one cached lookup of a call site whose result is used.
                 code = frame.f_code
                 if _kept.get(frame.f_lasti) is not code:
-                    _after_call(frame, name, len(args) - 1, result)
+                    _after_call(frame, name, len(args) - 1, result, args[0] if args else None)
             except Exception as exc:  # strict-mode findings pass through internal_error
                 internal_error(CODE, exc)
             return result
@@ -83,16 +113,18 @@ class _Conversion(MethodPatch):
         return call
 
 
-def _after_call(frame: FrameType, method: str, nargs: int, result: Any) -> None:
-    """A call site not known to use its result. Dynamo handles tensor methods itself and never traces this call; the
-    is_compiling() exit is there should it ever do so. A key function called from C,
-    ``ts.sort(key=torch.Tensor.float)``, is no discarded call: its source at this line calls something else."""
+def _after_call(frame: FrameType, method: str, nargs: int, result: Any, receiver: Any = None) -> None:
+    """A call site not known to use its result; ``receiver`` is the tensor the method was called on. Dynamo handles
+    tensor methods itself and never traces this call; the is_compiling() exit is there should it ever do so. A key
+    function called from C, ``ts.sort(key=torch.Tensor.float)``, is no discarded call: its source at this line calls
+    something else."""
     if not is_discarded(frame):
         trim(_kept, MAX_ANSWERS)
         _kept[frame.f_lasti] = frame.f_code
     elif not _is_compiling() and isinstance(result, torch.Tensor) and not is_internal(frame.f_code) \
             and calls_method(frame, method) is not False:
-        report(CODE, frame, lambda: _message(frame, method, nargs))
+        itself = result is receiver
+        report(CODE, frame, lambda: _message(frame, method, nargs, itself))
 
 
 _getframe = sys._getframe
@@ -123,6 +155,7 @@ def crash_notes(exc: BaseException) -> list[str]:
         return []
     from .._report import findings
 
-    sites = [s for s in findings() if s.code == CODE]
+    # A call that returned the tensor itself left it where it was already: it cannot have caused the mismatch.
+    sites = [s for s in findings() if s.code == CODE and _ITSELF not in s.message]
     return [f"safetorch: {s.filename}:{s.lineno} discarded a conversion earlier, the usual cause of this error: "
             f"{s.message.removeprefix(CODE).strip()}" for s in sites[-3:]]
