@@ -43,6 +43,7 @@ globals().update(_RULE_WARNINGS)
 
 if TYPE_CHECKING:  # the same classes, named for type checkers, which cannot see globals().update (test_typing.py)
     from .checks.clip_scaled_gradients import ClipScaledGradientsWarning as ClipScaledGradientsWarning
+    from .checks.ddp_bypassed import DdpBypassedWarning as DdpBypassedWarning
     from .checks.discarded_conversion import DiscardedConversionWarning as DiscardedConversionWarning
     from .checks.empty_cache_loop import EmptyCacheLoopWarning as EmptyCacheLoopWarning
     from .checks.eval_mode_grad import EvalModeGradWarning as EvalModeGradWarning
@@ -56,6 +57,7 @@ if TYPE_CHECKING:  # the same classes, named for type checkers, which cannot see
     from .checks.probabilities_into_logits import (
         ProbabilitiesIntoLogitsLossWarning as ProbabilitiesIntoLogitsLossWarning,
     )
+    from .checks.replicas_diverged import ReplicasDivergedWarning as ReplicasDivergedWarning
     from .checks.state_dict_loaded_nothing import StateDictLoadedNothingWarning as StateDictLoadedNothingWarning
     from .checks.step_changed_nothing import StepChangedNothingWarning as StepChangedNothingWarning
     from .checks.step_without_gradients import StepWithoutGradientsWarning as StepWithoutGradientsWarning

@@ -71,6 +71,21 @@ def findings() -> Iterator[list[warnings.WarningMessage]]:
                                                              safetorch.SafetorchInternalWarning)))
 
 
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo process group of this process alone (a file store: no port), for DDP in-process; destroyed after."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
 def lineno() -> int:
     """The line number of the caller: write `statement; line = lineno()` to know the statement's line."""
     return sys._getframe(1).f_lineno

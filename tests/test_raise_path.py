@@ -21,7 +21,7 @@ from torch.autograd import Variable
 import safetorch
 from safetorch import _report
 
-from .conftest import lineno
+from .conftest import lineno, one_rank_group
 
 
 def st001() -> int:
@@ -122,6 +122,50 @@ def st015() -> int:
     model = nn.Linear(2, 2)
     model.requires_grad = False
     torch.optim.SGD(model.parameters(), lr=0.1); return lineno()  # noqa: E702
+
+
+def st016() -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from safetorch import _ddp
+    from safetorch.checks import replicas_diverged
+
+    from .test_replicas_diverged import _Twin
+
+    store = _Twin(differ_from=1)  # a second rank whose replica differs
+    original, replicas_diverged._store = replicas_diverged._store, lambda: store  # type: ignore[assignment]
+    try:
+        with one_rank_group():
+            ddp = DDP(nn.Linear(2, 2))
+            _ddp.live[id(ddp)].ranks = (0, 1)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            ddp(torch.ones(1, 2)).sum().backward()
+            opt.step(); return lineno()  # noqa: E702
+    finally:
+        replicas_diverged._store = original  # type: ignore[assignment]
+
+
+def st017() -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    with one_rank_group():
+        ddp = DDP(nn.Linear(2, 2))
+        ddp.double(); return lineno()  # noqa: E702
+
+
+def st018() -> int:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = [p.detach().clone() for p in model.parameters()]
+
+    def put_back(*args: Any) -> None:
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), start, strict=True):
+                p.copy_(q)
+
+    opt.register_step_post_hook(put_back)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step(); return lineno()  # noqa: E702
 
 
 PITFALLS: dict[str, Callable[[], int]] = {code: globals()[code.lower()] for code in safetorch.RULES}

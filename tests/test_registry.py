@@ -106,7 +106,8 @@ namespaces = {"Tensor": torch.Tensor, "TensorBase": torch._C.TensorBase, "F": to
               "inference_mode": torch.autograd.grad_mode.inference_mode,
               "VariableMeta": type(torch.autograd.Variable), "GradScaler": torch.amp.GradScaler,
               "nn.utils": torch.nn.utils, "clip_grad": sys.modules["torch.nn.utils.clip_grad"],
-              "GraphModule": torch.fx.GraphModule}
+              "GraphModule": torch.fx.GraphModule, "distributed": torch.distributed,
+              "DDP": torch.nn.parallel.DistributedDataParallel}
 import torch.nn.modules.loss as L
 for n, c in vars(L).items():
     if isinstance(c, type):

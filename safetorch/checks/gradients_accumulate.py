@@ -56,6 +56,7 @@ from .._rule import Rule
 
 CODE = "ST011"
 _K = 8  # elements compared
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class GradientsAccumulateWarning(SafetorchWarning):
@@ -93,8 +94,9 @@ _watches: weakref.WeakKeyDictionary[Optimizer, _Watch] = weakref.WeakKeyDictiona
 
 
 def _head(t: torch.Tensor) -> torch.Tensor | None:
-    """The first _K elements, or None when they cannot be read without a copy."""
-    if t.layout is not torch.strided or not t.is_contiguous() or t.numel() == 0:
+    """The first _K elements, or None when they cannot be read without a copy (or are not all here: a tensor
+    subclass such as FSDP2's DTensor)."""
+    if type(t) not in _PLAIN or t.layout is not torch.strided or not t.is_contiguous() or t.numel() == 0:
         return None
     return t.detach().view(-1)[:_K]
 

@@ -70,6 +70,7 @@ class _Sample:
     counts: torch.Tensor  # bool: the step must move this element
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _pending: weakref.WeakKeyDictionary[Optimizer, tuple[int, list[_Sample]]] = weakref.WeakKeyDictionary()
 
 
@@ -83,6 +84,8 @@ def _lr(group: dict[str, Any]) -> float | None:
 
 
 def _strided(t: torch.Tensor) -> torch.Tensor | None:
+    if type(t) not in _PLAIN:
+        return None  # a tensor subclass (FSDP2's DTensor): its elements are not all here
     if t.layout is not torch.strided or not t.is_contiguous() or t.numel() == 0 or not t.is_floating_point():
         return None
     flat = t.detach().view(-1)
