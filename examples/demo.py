@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.autograd import Variable
 
 torch.manual_seed(0)
-model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 1))
+model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1))
 images = torch.randn(8, 3, 16, 16, dtype=torch.float64)
 labels = torch.randint(0, 4, (8, 16, 16))
 
@@ -40,7 +40,7 @@ for _step in range(12):
 print(f"validation loss: {val_loss / 12:.3f}")
 
 for _step in range(2):  # a little more training after validation, but model.train() was forgotten
-    loss = criterion(model(images), labels) / (16 * 16)  # ST008: dropout and BatchNorm still in eval mode
+    loss = criterion(model(images), labels) / (16 * 16)  # ST008: BatchNorm still in eval mode
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -49,7 +49,7 @@ model.train()
 diverged = criterion(model(images), labels) * float("nan")
 diverged.backward()  # ST006: a NaN loss reaching backward
 
-# Beyond the seed posts: the silent training bugs of ST009-ST015.
+# Beyond the seed posts: the silent training bugs of ST009-ST018.
 probs = model(images).softmax(dim=1)
 criterion(probs, labels)  # ST009: cross_entropy applies log_softmax itself: pass the logits
 
@@ -92,3 +92,19 @@ model.load_state_dict(checkpoint, strict=False)  # ST014: loaded nothing: the ke
 backbone = nn.Linear(4, 4)
 backbone.requires_grad = False  # meant to freeze it: an attribute, not requires_grad_(False)
 torch.optim.SGD(backbone.parameters(), lr=0.01)  # ST015: the backbone will be trained
+
+# A wrapper that keeps master weights and copies them back after every step, built after the optimizer.
+master = [p.detach().clone() for p in probe.parameters()]
+
+
+def put_back(*_: object) -> None:
+    for p, m in zip(probe.parameters(), master, strict=True):
+        p.data.copy_(m)
+
+
+probe_optimizer.register_step_post_hook(put_back)
+probe_optimizer.zero_grad()
+probe(features.detach()).sum().backward()
+probe_optimizer.step()  # ST018: finite gradients, lr > 0, and not one weight moved
+
+# ST016 and ST017 need a DistributedDataParallel job of several ranks: see tests/distributed_job.py.

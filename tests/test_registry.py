@@ -27,14 +27,14 @@ def test_patches_are_in_the_owners_dict_and_wrap_the_original() -> None:
 
 def test_uninstall_restores_identity_and_deletes_what_was_added() -> None:
     detach_before = torch._C.TensorBase.__dict__["detach"]
-    owners = [owner for owner, _ in registry.touched()]
-    assert owners
+    touched = registry.touched()
+    assert touched
     safetorch.uninstall()
     assert "float" not in torch.Tensor.__dict__  # it lives on TensorBase: added by install, deleted by uninstall
     assert torch.Tensor.__dict__["detach"] is detach_before  # it was in Tensor's own dict: put back, same object
     assert torch.Tensor.float is torch._C.TensorBase.float
     assert registry.touched() == []
-    assert not any(is_patch(v) for owner in owners for v in vars(owner).values())
+    assert not any(is_patch(vars(owner).get(name)) for owner, name in touched)
 
 
 @pytest.mark.parametrize("steps", list(itertools.product(["install", "uninstall"], repeat=4)))

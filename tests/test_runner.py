@@ -342,7 +342,7 @@ def test_the_demo_fires_every_rule_once_on_its_line() -> None:
     shown = re.escape(os.path.join(os.path.realpath(ROOT), demo))  # absolute, as `python examples/demo.py` shows it
     fired = re.findall(rf"^{shown}:(\d+): \w+Warning: (ST0\d\d) ", proc.stderr, re.M)
     assert sorted((code, int(line)) for line, code in fired) == sorted(marked.items())
-    assert len(marked) == len(safetorch.RULES)
+    assert set(marked) == set(safetorch.RULES) - {"ST016", "ST017"}  # those need a job of several ranks
 
 
 HOOKED_DEMO = textwrap.dedent("""\
