@@ -166,7 +166,8 @@ def _flush(entry: _ddp.Wrapped, state: _State, wait: bool = False) -> None:
         if keys and not store.check(keys):
             continue
         mine = _pack(pr.host)
-        theirs = {r: store.get(k) for r, k in zip(others, keys, strict=True)}
+        got = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+        theirs = {r: bytes(v) for r, v in zip(others, got, strict=True)}
         for k in (*keys, _key(state, pr.syncs, entry.rank)):
             _delete(store, k)
         state.prints.remove(pr)
