@@ -458,3 +458,103 @@ def test_the_device_conversions_run_on_the_cpu_through_a_fake_device_method(meth
         (DiscardedConversionWarning, line,
          f"ST001 {call} returns a copy and its result is discarded; x is unchanged. Write: x = {call} "
          "(safetorch explain ST001)")]
+
+
+SHAPE_CALLS = [("view", (3, 2)), ("reshape", (-1,)), ("permute", (1, 0)), ("transpose", (0, 1)), ("squeeze", ()),
+               ("unsqueeze", (0,)), ("flatten", ()), ("t", ()), ("expand", (4, 2, 3))]
+
+
+def test_every_shape_method_is_covered_here() -> None:
+    from safetorch.checks.discarded_conversion import SHAPES
+
+    assert set(SHAPES) == {m for m, _ in SHAPE_CALLS}
+
+
+def _discard_view(x: torch.Tensor) -> int:
+    x.view(3, 2); return lineno()  # noqa: E702
+
+
+def _discard_reshape(x: torch.Tensor) -> int:
+    x.reshape(-1); return lineno()  # noqa: E702
+
+
+def _discard_permute(x: torch.Tensor) -> int:
+    x.permute(1, 0); return lineno()  # noqa: E702
+
+
+def _discard_transpose(x: torch.Tensor) -> int:
+    x.transpose(0, 1); return lineno()  # noqa: E702
+
+
+def _discard_squeeze(x: torch.Tensor) -> int:
+    x.squeeze(); return lineno()  # noqa: E702
+
+
+def _discard_unsqueeze(x: torch.Tensor) -> int:
+    x.unsqueeze(0); return lineno()  # noqa: E702
+
+
+def _discard_flatten(x: torch.Tensor) -> int:
+    x.flatten(); return lineno()  # noqa: E702
+
+
+def _discard_t(x: torch.Tensor) -> int:
+    x.t(); return lineno()  # noqa: E702
+
+
+def _discard_expand(x: torch.Tensor) -> int:
+    x.expand(4, 2, 3); return lineno()  # noqa: E702
+
+
+_SHAPE_LINES = {
+    "x.view(3, 2)": _discard_view,
+    "x.reshape(-1)": _discard_reshape,
+    "x.permute(1, 0)": _discard_permute,
+    "x.transpose(0, 1)": _discard_transpose,
+    "x.squeeze()": _discard_squeeze,
+    "x.unsqueeze(0)": _discard_unsqueeze,
+    "x.flatten()": _discard_flatten,
+    "x.t()": _discard_t,
+    "x.expand(4, 2, 3)": _discard_expand,
+}
+
+
+@pytest.mark.parametrize("call", _SHAPE_LINES)
+def test_a_discarded_shape_method_warns_at_this_line_with_the_fix(call: str) -> None:
+    x = torch.ones(2, 3)
+    with findings() as got:
+        line = _SHAPE_LINES[call](x)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(DiscardedConversionWarning, __file__, line)]
+    assert _text(got[0]) == (f"ST001 {call} returns a new tensor of the new shape and its result is discarded; "
+                             f"x keeps its shape. Write: x = {call}")
+    assert x.shape == (2, 3)
+
+
+def test_used_shape_methods_in_place_forms_and_torch_s_own_calls_are_silent_with_the_same_numbers() -> None:
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        x = torch.randn(4, 2, 8)
+        attention = torch.nn.MultiheadAttention(8, 2)  # torch's Python code reshapes and transposes throughout
+        out, _ = attention(x, x, x)
+        y = out.view(8, 8).t().reshape(-1).unsqueeze(0)
+        z = x.permute(2, 0, 1).flatten(1).transpose(0, 1).expand(2, 8, 8).squeeze()
+        x.squeeze_()  # in place: not a shape method of this rule
+        x.unsqueeze_(0)
+        print(x.view(-1).shape)
+        return [y, z, x]
+
+    with findings() as got:
+        on = run()
+    assert got == []
+    safetorch.uninstall()
+    off = run()
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
+def test_a_discarded_reshape_is_no_crash_note_for_a_device_mismatch() -> None:
+    x = torch.ones(2, 3)
+    with findings():
+        x.view(3, 2)
+    notes = discarded_conversion.crash_notes(RuntimeError("Expected all tensors to be on the same device"))
+    assert notes == []

@@ -56,7 +56,7 @@ RANKS = """\
 
 def test_a_torchrun_job_has_every_ranks_findings_in_one_report_every_time(tmp_path: Any) -> None:
     script = _write(tmp_path, "ranks.py", RANKS)
-    for attempt in range(10):
+    for attempt in range(4):  # several jobs: losing a rank's part of the report would be a race
         report = os.path.join(tmp_path, f"findings{attempt}.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "safetorch", script]

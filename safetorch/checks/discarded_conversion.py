@@ -42,6 +42,9 @@ METHODS = (
     # the same family: pure conversions that return a new tensor
     "type_as", "cfloat", "cdouble", "chalf", "xpu", "mps", "to_dense", "to_sparse",
 )
+#: The pure shape methods: a new tensor of another shape (a view, or a copy for ``reshape``/``flatten``), the receiver
+#: unchanged. (Their in-place forms, ``squeeze_``, ``t_``, ``transpose_``, change the receiver: not these.)
+SHAPES = ("view", "reshape", "permute", "transpose", "squeeze", "unsqueeze", "flatten", "t", "expand")
 
 _is_compiling = is_compiling
 
@@ -54,14 +57,18 @@ def _message(frame: FrameType, method: str, nargs: int, itself: bool = False) ->
     ``.float()`` of a float one): the line does nothing here, and throws a copy away where the tensor differs."""
     if itself:
         return _itself_message(frame, method, nargs)
-    what = "returns a new tensor" if method == "detach" else "returns a copy"
+    shape = method in SHAPES
+    what = ("returns a new tensor of the new shape" if shape else
+            "returns a new tensor" if method == "detach" else "returns a copy")
+    unchanged = "keeps its shape" if shape else "is unchanged"
     receiver, call = method_call(frame, method, nargs, assignable=True)
     if receiver is not None:
-        return f"{CODE} {call} {what} and its result is discarded; {receiver} is unchanged. Write: {receiver} = {call}"
+        return (f"{CODE} {call} {what} and its result is discarded; {receiver} {unchanged}. "
+                f"Write: {receiver} = {call}")
     if call is not None:
-        return (f"{CODE} {call} {what} and its result is discarded; the tensor is unchanged. Assign the result to a "
+        return (f"{CODE} {call} {what} and its result is discarded; the tensor {unchanged}. Assign the result to a "
                 f"name and use that: <name> = {call}")
-    return (f"{CODE} tensor.{method}() {what} and its result is discarded; the tensor is unchanged. "
+    return (f"{CODE} tensor.{method}() {what} and its result is discarded; the tensor {unchanged}. "
             f"Assign the result to a name and use that: <name> = <tensor>.{method}(...)")
 
 
@@ -132,7 +139,7 @@ _kept = _callsite._kept  # {f_lasti: code} of the call sites known to use their 
 
 
 def install(registry: Registry) -> None:
-    for name in METHODS:
+    for name in (*METHODS, *SHAPES):
         if hasattr(torch.Tensor, name):
             registry.method(torch.Tensor, name, _Conversion, CODE)
 
@@ -156,6 +163,8 @@ def crash_notes(exc: BaseException) -> list[str]:
     from .._report import findings
 
     # A call that returned the tensor itself left it where it was already: it cannot have caused the mismatch.
-    sites = [s for s in findings() if s.code == CODE and _ITSELF not in s.message]
+    # Nor can a discarded reshape move a tensor or change its dtype.
+    sites = [s for s in findings()
+             if s.code == CODE and _ITSELF not in s.message and "of the new shape" not in s.message]
     return [f"safetorch: {s.filename}:{s.lineno} discarded a conversion earlier, the usual cause of this error: "
             f"{s.message.removeprefix(CODE).strip()}" for s in sites[-3:]]
