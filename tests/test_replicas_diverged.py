@@ -152,3 +152,17 @@ def test_buffers_are_not_compared(monkeypatch: pytest.MonkeyPatch) -> None:
     model(torch.randn(8, 4)).sum().backward()
     opt.step()
     assert replicas_diverged._state(entry).names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_per_line_suppression(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replicas_diverged, "_store", lambda: _Twin(differ_from=2))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(4, 2))
+    _ddp.live[id(model)].ranks = (0, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with findings() as got:
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()  # safetorch: ignore[replicas-diverged]
+    assert got == []
