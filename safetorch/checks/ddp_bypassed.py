@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 import torch
+from torch.utils.hooks import unserializable_hook
 
 from .. import _ddp
 from .._callsite import Spot, quoted_call
@@ -100,7 +101,12 @@ def _bare_post(module: torch.nn.Module, args: Any, output: Any) -> None:
         if out is None:
             return
         spot, accumulator = noted
-        out.register_hook(lambda grad: _reached(spot, accumulator))
+
+        @unserializable_hook  # the output still saves (torch.save) without it, and without a warning
+        def hook(grad: torch.Tensor) -> None:
+            _reached(spot, accumulator)
+
+        out.register_hook(hook)
     except Exception as exc:
         internal_error(CODE, exc)
 
