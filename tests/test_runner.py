@@ -388,7 +388,8 @@ def test_user_hooks_before_and_after_ours_over_the_demo_that_fires_every_rule(or
                           env=_env(SAFETORCH_REPORT="0"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fired = set(re.findall(r"^examples/demo\.py:\d+: \w+Warning: (ST0\d\d) ", proc.stderr, re.M))
-    assert fired == set(safetorch.RULES), sorted(set(safetorch.RULES) - fired)
+    expected = set(safetorch.RULES) - {"ST016", "ST017"}  # those need a job of several ranks
+    assert fired == expected, sorted(expected ^ fired)
     calls = json.loads(proc.stdout.strip().splitlines()[-1])
     when = "first" if order == "user first" else "after"
     for kind in ("pre", "post", "step", "grad", "late step"):
