@@ -107,4 +107,12 @@ probe_optimizer.zero_grad()
 probe(features.detach()).sum().backward()
 probe_optimizer.step()  # ST018: finite gradients, lr > 0, and not one weight moved
 
+# A perceptual loss: the features of a fixed network compared; eval() was meant to freeze it, and does not.
+loss_net = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()).double().eval()
+for _step in range(4):
+    optimizer.zero_grad()
+    perceptual = loss_net(model(images)).pow(2).mean()
+    perceptual.backward()  # ST020: loss_net's gradients, which no optimizer holds, grow every step
+    optimizer.step()
+
 # ST016 and ST017 need a DistributedDataParallel job of several ranks: see tests/distributed_job.py.

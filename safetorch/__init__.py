@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # the same classes, named for type checkers, which cannot see
     from .checks.freeze_did_nothing import FreezeDidNothingWarning as FreezeDidNothingWarning
     from .checks.functional_dropout import FunctionalDropoutInEvalWarning as FunctionalDropoutInEvalWarning
     from .checks.gradients_accumulate import GradientsAccumulateWarning as GradientsAccumulateWarning
+    from .checks.gradients_nobody_uses import GradientsNobodyUsesWarning as GradientsNobodyUsesWarning
     from .checks.graph_accumulation import GraphAccumulationWarning as GraphAccumulationWarning
     from .checks.legacy_reduction import LegacyReductionWarning as LegacyReductionWarning
     from .checks.non_finite_loss import NonFiniteLossWarning as NonFiniteLossWarning

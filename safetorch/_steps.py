@@ -252,6 +252,12 @@ def looked_at(optimizer: Optimizer) -> int:
     return entry[1] if entry is not None and entry[0]() is optimizer else 0
 
 
+def optimizers() -> list[Optimizer]:
+    """The live optimizers the hook knows (built since install, or seen stepping): ST020 asks which parameters they
+    hold."""
+    return [optimizer for ref, _, _ in list(_steps.values()) if (optimizer := ref()) is not None]
+
+
 def armed() -> bool:
     """Whether the step hook stands now (for the tests)."""
     return _handle is not None

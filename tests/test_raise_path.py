@@ -168,6 +168,16 @@ def st018() -> int:
     opt.step(); return lineno()  # noqa: E702
 
 
+def st020() -> int:
+    gen, loss_net = nn.Linear(2, 2), nn.Linear(2, 2)  # loss_net: never frozen, in no optimizer
+    opt = torch.optim.SGD(gen.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_net(gen(torch.ones(1, 2))).sum().backward()
+        opt.step(); line = lineno()  # noqa: E702  (the finding names the backward's line; it raises here)
+    return line
+
+
 PITFALLS: dict[str, Callable[[], int]] = {code: globals()[code.lower()] for code in safetorch.RULES}
 
 
