@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the same classes, named for type checkers, which cannot see
     from .checks.empty_cache_loop import EmptyCacheLoopWarning as EmptyCacheLoopWarning
     from .checks.eval_mode_grad import EvalModeGradWarning as EvalModeGradWarning
     from .checks.eval_mode_training import EvalModeTrainingWarning as EvalModeTrainingWarning
+    from .checks.evaluation_in_train_mode import EvaluationInTrainModeWarning as EvaluationInTrainModeWarning
     from .checks.freeze_did_nothing import FreezeDidNothingWarning as FreezeDidNothingWarning
     from .checks.functional_dropout import FunctionalDropoutInEvalWarning as FunctionalDropoutInEvalWarning
     from .checks.gradients_accumulate import GradientsAccumulateWarning as GradientsAccumulateWarning

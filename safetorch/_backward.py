@@ -44,6 +44,9 @@ _next = next
 #: increment and store cost a quarter more).
 _NEVER: Iterator[int] = itertools.repeat(0)
 _countdown: Iterator[int] = _NEVER
+#: Backwards started through the patch since it first stood: a check that must know whether any backward ran between
+#: two events compares two readings (ST019). One global increment per backward.
+count = 0
 _on_due: Callable[[], None] | None = None
 _is_compiling = is_compiling
 #: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``: two Python calls on
@@ -83,6 +86,8 @@ def _dispatch_known(original: Any) -> Any:
     def backward(tensors: Any, grad_tensors: Any = None, retain_graph: Any = None, create_graph: Any = False,
                  grad_variables: Any = None, inputs: Any = None) -> Any:
         __tracebackhide__ = True  # noqa: F841
+        global count
+        count += 1
         if _next(_countdown, None) is None:
             _call_due()
         if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):
@@ -107,6 +112,8 @@ def _dispatch_any(original: Any) -> Any:
 
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
+        global count
+        count += 1
         if _next(_countdown, None) is None:
             _call_due()
         if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):

@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 from torch.nn.modules.instancenorm import _InstanceNorm
 
-__all__ = ["eval_effects", "joined"]
+__all__ = ["eval_effects", "joined", "train_effects"]
 
 #: torch classes whose effect is read from their settings, not from their code (which reads ``training`` always).
 _BY_SETTINGS = (_DropoutNd, _NormBase, nn.RNNBase, nn.MultiheadAttention)
@@ -50,6 +50,29 @@ def eval_effects(module: nn.Module) -> list[str]:
     if norms:
         effects.append(" and ".join(norms) + (" uses its" if len(norms) == 1 else " use their") + " running statistics")
     return effects + list(others)
+
+
+def train_effects(module: nn.Module) -> list[str]:
+    """What training mode does now to a forward of ``module`` that only evaluates (ST019), as clauses: its BatchNorm
+    layers fold the batches into their running statistics, its dropout drops activations. Empty when neither: torch's
+    own layers only, told by their settings (the rule stays silent for a model whose evaluation the mode leaves
+    alone)."""
+    norms = dropout = 0
+    for sub in module.modules():
+        if not sub.training:
+            continue
+        if isinstance(sub, _NormBase) and sub.track_running_stats and getattr(sub, "running_mean", None) is not None \
+                and sub.momentum != 0:
+            norms += 1
+        elif _drops(sub):
+            dropout += 1
+    effects = []
+    if norms:
+        layers = "its BatchNorm layer" if norms == 1 else f"its {norms} BatchNorm layers"
+        effects.append(f"{layers} folded these batches into the running statistics that evaluation uses later")
+    if dropout:
+        effects.append("dropout was on")
+    return effects
 
 
 def joined(clauses: list[str]) -> str:

@@ -383,12 +383,7 @@ def _without_data(exc: BaseException) -> bool:
 
 def found_in_run() -> int:
     """How many sites the run found so far: this process's and, for the run's owner, its other processes'."""
-    try:
-        from . import _deferred
-
-        _deferred.poll(wait=True)
-    except Exception:
-        pass
+    _settle()
     return len(findings()) + len(_from_others())
 
 
@@ -502,17 +497,41 @@ def write_json(path: str, fmt: str = "json") -> None:
         fh.write(document(fmt))
 
 
-def exit_summary() -> None:
-    """At exit: write the JSON report when asked (``[]`` when nothing was found; strict mode's findings too), then
-    print the summary on stderr (not in an interactive session). A report that cannot be written says so. The
-    checks still in flight on a device are read first (waiting for it): a NaN loss of the last step is in the summary.
-    In strict mode such a finding has nothing left to stop: the summary shows it."""
+#: What a check must do before the exit summary is made (report what it learnt late: ST019's graphs that died after
+#: their forwards), by rule code.
+_before_summary: dict[str, Callable[[], None]] = {}
+
+
+def before_summary(code: str, callback: Callable[[], None] | None) -> None:
+    """Have ``callback`` called at exit, before the summary (None: no longer)."""
+    if callback is None:
+        _before_summary.pop(code, None)
+    else:
+        _before_summary[code] = callback
+
+
+def _settle() -> None:
+    """Before counting or summarising: read the checks still in flight on a device (waiting for it), and let each
+    check report what it learnt late. A strict-mode finding raised here is recorded: nothing is left to stop."""
     try:
         from . import _deferred
 
         _deferred.poll(wait=True)
     except Exception:
         pass
+    for callback in list(_before_summary.values()):
+        try:
+            callback()
+        except Exception:  # noqa: S110
+            pass
+
+
+def exit_summary() -> None:
+    """At exit: write the JSON report when asked (``[]`` when nothing was found; strict mode's findings too), then
+    print the summary on stderr (not in an interactive session). A report that cannot be written says so. The
+    checks still in flight on a device are read first (waiting for it): a NaN loss of the last step is in the summary.
+    In strict mode such a finding has nothing left to stop: the summary shows it."""
+    _settle()
     try:
         for site in list(_sites.values()):  # each site's final count, for the run's report
             if not site.suppressed and site.count > 1:

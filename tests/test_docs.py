@@ -63,7 +63,7 @@ def test_the_readmes_commands_run() -> None:
 
 @pytest.mark.slow
 def test_the_readmes_example_findings_are_what_the_examples_print() -> None:
-    """The README shows the findings of three scripts in examples/: each line is what the runner prints, verbatim,
+    """The README shows the findings of four scripts in examples/: each line is what the runner prints, verbatim,
     with the checkout's directory left out of the paths (Python prints a script's absolute path)."""
     import re
     import subprocess
@@ -72,7 +72,8 @@ def test_the_readmes_example_findings_are_what_the_examples_print() -> None:
     with open(os.path.join(ROOT, "README.md")) as fh:
         shown = re.findall(r"^(examples/(\w+)\.py:\d+: \w+Warning: ST0\d\d .*)$", fh.read(), re.M)
     scripts = sorted({name for _, name in shown})
-    assert scripts == ["forgot_train_toggle", "forgot_zero_grad", "softmax_into_cross_entropy"]
+    assert scripts == [
+        "eval_loop_in_train_mode", "forgot_train_toggle", "forgot_zero_grad", "softmax_into_cross_entropy"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
     for name in scripts:
         proc = subprocess.run([sys.executable, "-m", "safetorch", f"examples/{name}.py"], capture_output=True,

@@ -168,6 +168,17 @@ def st018() -> int:
     opt.step(); return lineno()  # noqa: E702
 
 
+def st019() -> int:
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    model(torch.randn(4, 2)).sum().backward()
+    opt.step()
+    for _ in range(6):  # evaluated in training mode, with autograd on
+        model(torch.randn(4, 2)); line = lineno()  # noqa: E702
+    return line
+
+
 def st020() -> int:
     gen, loss_net = nn.Linear(2, 2), nn.Linear(2, 2)  # loss_net: never frozen, in no optimizer
     opt = torch.optim.SGD(gen.parameters(), lr=0.1)

@@ -57,7 +57,7 @@ import sys
 import sysconfig
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import CodeType, FrameType
 from typing import Any
 
@@ -126,7 +126,8 @@ class _Thread(threading.local):
 
 
 _thread = _Thread()
-_codes: set[str] = set()  # which of ST003 / ST008 are installed
+_codes: set[str] = set()  # which of ST003 / ST008 / ST019 are installed (the shared patches stand for any)
+_eval_codes: set[str] = set()  # which of ST003 / ST008 are installed (guards for eval-mode modules)
 
 
 # --- sites -----------------------------------------------------------------------------------------------------
@@ -242,7 +243,12 @@ class _Guard:
                 return _module_call_impl(owner, *args, **kwargs)
         if module is None:
             raise RuntimeError("safetorch: a module guard outlived its module")
-        if module.training or not _codes:
+        if module.training or not _eval_codes:
+            followed = _followed.get(id(module))
+            if followed is not None and followed[0]() is module:
+                if module.training:
+                    return followed[1](module, args, kwargs)  # ST019's: a trained module's forward in training mode
+                return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
             _unguard(module, self)
             return _module_call_impl(module, *args, **kwargs)
         if not _is_grad_enabled() or _thread.explicit:
@@ -309,9 +315,52 @@ def _remember(module: torch.nn.Module, origin: Origin | None) -> None:
 
 def _unguard(module: torch.nn.Module, guard: _Guard | None = None) -> None:
     d = module.__dict__
-    if isinstance(d.get("_call_impl"), _Guard) and (guard is None or d["_call_impl"] is guard):
+    followed = _followed.get(id(module))
+    if followed is not None and followed[0]() is module and module.training:
+        pass  # ST019 follows it in training mode: its guard stays (it is no longer ST003's)
+    elif isinstance(d.get("_call_impl"), _Guard) and (guard is None or d["_call_impl"] is guard):
         del d["_call_impl"]
     _sites.guarded.pop(id(module), None)
+
+
+#: The modules ST019 follows in training mode (trained by an optimizer, with BatchNorm or dropout): id -> (a weak
+#: reference to the module, what its guard calls for a training-mode forward instead of ``_call_impl``). Their guard
+#: is the same object ST003 uses in eval mode, so that both rules share one ``_call_impl`` slot: ``train()`` keeps it.
+ForwardHandler = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Any]
+_followed: dict[int, tuple[weakref.ref[torch.nn.Module], ForwardHandler]] = {}
+
+
+def follow(module: torch.nn.Module, on_forward: ForwardHandler) -> None:
+    """Hand ``module``'s training-mode forwards to ``on_forward(module, args, kwargs)`` (which calls
+    ``Module._call_impl`` itself), through the guard in its ``__dict__``, until `unfollow` or the module is freed."""
+    key, followed = id(module), _followed  # bound now: the callback may run at interpreter exit
+
+    def gone(ref: weakref.ref[torch.nn.Module]) -> None:
+        entry = followed.get(key)
+        if entry is not None and entry[0] is ref:
+            del followed[key]
+
+    _followed[key] = (weakref.ref(module, gone), on_forward)
+    guard = _guard_of(module)
+    if guard is None or guard.module() is not module:
+        module.__dict__["_call_impl"] = _Guard(module)
+
+
+def following(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is followed and still holds its guard."""
+    entry = _followed.get(id(module))
+    guard = _guard_of(module)
+    return entry is not None and entry[0]() is module and guard is not None and guard.module() is module
+
+
+def unfollow_all() -> None:
+    """Stop following every module; those in training mode lose their guard (eval-mode ones keep ST003's)."""
+    entries = list(_followed.values())
+    _followed.clear()
+    for ref, _ in entries:
+        module = ref()
+        if module is not None and module.training:
+            _unguard(module)
 
 
 def _nested(frame: FrameType | None) -> bool:
@@ -499,7 +548,7 @@ class _Reached:
 
     def __call__(self, grad_outputs: Any) -> None:
         site = self.site()
-        if site is not None and _codes and not site.backward:
+        if site is not None and _eval_codes and not site.backward:
             try:
                 _backward_reached(site)
             except Exception as exc:
@@ -760,7 +809,7 @@ def _train(original: Any) -> Any:
             if self.training:
                 if "_call_impl" in self.__dict__:
                     _unguard(self)
-            elif not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
+            elif _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
                 _guard(self, _origin(sys._getframe(1)))
         except Exception as exc:
             internal_error(CODE, exc)
@@ -927,12 +976,21 @@ def enable(code: str, registry: Registry = registry) -> None:
     if not _codes:
         _install_shared(registry)
     _codes.add(code)
+    if code in (CODE, TRAINING_CODE):
+        _eval_codes.add(code)
 
 
 def disable(code: str) -> None:
     """Switch one of ST003/ST008 off; with both off, take every patch and guard away and forget every site."""
     _codes.discard(code)
+    _eval_codes.discard(code)
     if _codes:
+        if not _eval_codes:  # ST019 alone: eval-mode modules lose ST003's guards (followed ones keep theirs)
+            for ref, _ in list(_sites.guarded.values()):
+                module = ref()
+                if module is not None and not following(module):
+                    _unguard(module)
+            _sites.clear()
         return
     _stop_listening()
     registry.restore(GROUP)

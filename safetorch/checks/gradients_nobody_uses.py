@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from types import BuiltinFunctionType, FrameType, FunctionType, MethodType, ModuleType
+from types import FrameType
 from typing import Any
 
 import torch
@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import unserializable_hook
 
-from .. import _backward, _deferred, _steps
+from .. import _backward, _deferred, _steps, _visible
 from .._callsite import Spot, method_call
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
@@ -69,7 +69,6 @@ _GIVE_UP_STEPS = 8  # a watch whose parameters backward no longer reaches ends a
 _GIVE_UP_FIRES = 256  # ... and one that sees backwards but no step after this many
 _OWNERS = 256  # names looked at for the owning module
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_NOT_HOLDERS = (type, ModuleType, FunctionType, BuiltinFunctionType, MethodType, torch.Tensor)
 _ACCUMULATE = getattr(torch._C._functions, "AccumulateGrad", None)
 
 
@@ -216,24 +215,8 @@ def _reached(tensors: Any) -> list[torch.nn.Parameter]:
 
 
 def _owners(frame: FrameType) -> list[tuple[str, weakref.ref[torch.nn.Module]]]:
-    """The modules the frame sees by name (its locals, then its globals), and those one attribute below a local or
-    global object (``self.vgg``, ``trainer.loss_net``): weakly, to name the owner if there is a finding."""
-    found: list[tuple[str, weakref.ref[torch.nn.Module]]] = []
-    scopes = [frame.f_locals] if frame.f_locals is frame.f_globals else [frame.f_locals, frame.f_globals]
-    looked = 0
-    for scope in scopes:
-        for name, value in list(scope.items()):
-            looked += 1
-            if looked > _OWNERS or len(found) >= _OWNERS:
-                return found
-            if isinstance(value, torch.nn.Module):
-                found.append((name, weakref.ref(value)))
-            elif not isinstance(value, _NOT_HOLDERS):
-                attributes = getattr(value, "__dict__", None)
-                if isinstance(attributes, dict):
-                    found.extend((f"{name}.{attr}", weakref.ref(sub)) for attr, sub in list(attributes.items())[:64]
-                                 if isinstance(sub, torch.nn.Module))
-    return found
+    """The modules the frame sees (`safetorch._visible`), weakly: to name the owner if there is a finding."""
+    return [(name, weakref.ref(module)) for name, module in _visible.modules(frame, _OWNERS)]
 
 
 def _start(tensors: Any, frame: FrameType, method: str) -> None:
