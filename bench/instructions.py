@@ -2,10 +2,10 @@
 
 ``python -m bench.instructions [--loop LOOP] [--steps N] [--seeds K] [--lines N] [--device-path] [--json PATH]``
 
-LOOP: tiny_mlp (the default), tiny_mlp_worst, small_cnn, frozen_bn, gpt2_layout or gpt2_small (one training step
-per count: 124M parameters, minutes under callgrind). ``--lines N`` pads the tiny MLP's training function to N lines;
-``--device-path`` makes CPU tensors take the accelerator path in both runs (``SAFETORCH_DEFERRED_CPU=1``: the lines a
-GPU run executes, counted on the CPU).
+LOOP: tiny_mlp (the default), tiny_mlp_worst, tiny_mlp_dropout_worst, small_cnn, frozen_bn, gpt2_layout or
+gpt2_small (one training step per count: 124M parameters, minutes under callgrind). ``--lines N`` pads the tiny MLP's
+training function to N lines; ``--device-path`` makes CPU tensors take the accelerator path in both runs
+(``SAFETORCH_DEFERRED_CPU=1``: the lines a GPU run executes, counted on the CPU).
 
 Timings on a shared machine move by several percent between runs, whatever the repeats; the number of instructions
 the CPU executes does not. This runs the end-to-end tiny-MLP epoch (`bench.endtoend.make_epoch`: training steps,
@@ -58,9 +58,9 @@ _PROGRAM = textwrap.dedent("""\
         elif loop == "small_cnn":
             model, x = models.small_cnn(), torch.randn(8, 3, 32, 32)
         else:
-            model, x = models.tiny_mlp(), torch.randn(1, 16)
+            model, x = models.tiny_mlp(0.1 if "dropout" in loop else 0.0), torch.randn(1, 16)
         epoch = make_epoch(model, x, torch.randint(0, 10, (x.shape[0],)), steps, frozen_bn=loop == "frozen_bn",
-                           worst_case=loop == "tiny_mlp_worst")
+                           worst_case=loop.endswith("_worst"))
     for _ in range(epochs):
         epoch()                                                   # warm-up: not counted
     gc.collect()
@@ -73,6 +73,8 @@ LOOPS = {"tiny_mlp": "cpu tiny MLP (batch 1)",
          "gpt2_layout": "cpu GPT-2 small's layout at width 96 (12 layers, 12 heads, vocab 1024; batch 1, seq 64, "
                         "2 micro-batches, clip, AdamW)",
          "tiny_mlp_worst": "cpu tiny MLP worst case (batch 1, 3 conversions/step, eval every 16)",
+         "tiny_mlp_dropout_worst": "cpu tiny MLP with dropout, worst case (batch 1, 3 conversions/step, eval every "
+                                   "16; a model ST019 follows)",
          "small_cnn": "cpu small CNN (batch 8, 32x32)",
          "frozen_bn": "cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"}
 

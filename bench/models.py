@@ -15,7 +15,10 @@ def small_cnn(channels: int = 32) -> nn.Module:
     )
 
 
-def tiny_mlp() -> nn.Module:
+def tiny_mlp(dropout: float = 0.0) -> nn.Module:
+    """16 -> 32 -> 10; with ``dropout``, a Dropout layer after the ReLU (a model ST019 follows in training mode)."""
+    if dropout:
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10))
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 10))
 
 

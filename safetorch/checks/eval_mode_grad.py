@@ -247,7 +247,14 @@ class _Guard:
             followed = _followed.get(id(module))
             if followed is not None and followed[0]() is module:
                 if module.training:
-                    return followed[1](module, args, kwargs)  # ST019's: a trained module's forward in training mode
+                    # ST019's: a trained module's forward in training mode. One that follows a backward (every
+                    # training step's) only notes the count; one with no backward since the module's last forward
+                    # goes to ST019.
+                    count = _backward.count
+                    if followed[2] != count:
+                        followed[2] = count
+                        return _module_call_impl(module, *args, **kwargs)
+                    return followed[1](module, args, kwargs)
                 return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
             _unguard(module, self)
             return _module_call_impl(module, *args, **kwargs)
@@ -326,13 +333,15 @@ def _unguard(module: torch.nn.Module, guard: _Guard | None = None) -> None:
 #: The modules ST019 follows in training mode (trained by an optimizer, with BatchNorm or dropout): id -> (a weak
 #: reference to the module, what its guard calls for a training-mode forward instead of ``_call_impl``). Their guard
 #: is the same object ST003 uses in eval mode, so that both rules share one ``_call_impl`` slot: ``train()`` keeps it.
+#: The entry: [weak reference, handler, `_backward.count` at the module's last training-mode forward].
 ForwardHandler = Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Any]
-_followed: dict[int, tuple[weakref.ref[torch.nn.Module], ForwardHandler]] = {}
+_followed: dict[int, list[Any]] = {}
 
 
 def follow(module: torch.nn.Module, on_forward: ForwardHandler) -> None:
-    """Hand ``module``'s training-mode forwards to ``on_forward(module, args, kwargs)`` (which calls
-    ``Module._call_impl`` itself), through the guard in its ``__dict__``, until `unfollow` or the module is freed."""
+    """Hand ``module``'s training-mode forwards that no backward preceded since its last one to
+    ``on_forward(module, args, kwargs)`` (which calls ``Module._call_impl`` itself), through the guard in its
+    ``__dict__``, until `unfollow_all` or the module is freed."""
     key, followed = id(module), _followed  # bound now: the callback may run at interpreter exit
 
     def gone(ref: weakref.ref[torch.nn.Module]) -> None:
@@ -340,7 +349,7 @@ def follow(module: torch.nn.Module, on_forward: ForwardHandler) -> None:
         if entry is not None and entry[0] is ref:
             del followed[key]
 
-    _followed[key] = (weakref.ref(module, gone), on_forward)
+    _followed[key] = [weakref.ref(module, gone), on_forward, -1]
     guard = _guard_of(module)
     if guard is None or guard.module() is not module:
         module.__dict__["_call_impl"] = _Guard(module)
@@ -357,7 +366,7 @@ def unfollow_all() -> None:
     """Stop following every module; those in training mode lose their guard (eval-mode ones keep ST003's)."""
     entries = list(_followed.values())
     _followed.clear()
-    for ref, _ in entries:
+    for ref, *_ in entries:
         module = ref()
         if module is not None and module.training:
             _unguard(module)

@@ -9,16 +9,17 @@ are *followed*. A followed module keeps a guard in its ``__dict__`` under ``_cal
 there in eval mode (`eval_mode_grad.follow`): it survives ``train()``, stays out of pickles and copies, and steps
 aside under ``torch.compile``. Teachers, EMA and momentum copies (MoCo, BYOL) are held by no optimizer: never followed.
 
-What a followed forward costs, in training mode with grad on: the caller's frame, one dict lookup and a comparison
-with the number of backwards started so far (`safetorch._backward.count`). A forward that follows a backward (every
-training step's) stops there. Only a second forward at the same line *with no backward since the first* — an
-evaluation, a sampler, or micro-batches summed into one loss — is looked at closer: top-level calls only (a module
-called inside another module's forward is never a site), and its output's graph gets a pre-hook (`_Seen`) on the
-nodes that produced the output: a backward or ``torch.autograd.grad`` through them marks the forward used. A weak
-reference tells when the graph dies. When `_UNUSED` such forwards at one line, with no backward in between, had their
-graphs die without being used, ST019 is reported at that line, once: right at the next forward there (a loop), or, for
-graphs that died later (a sampler's chained hidden state, outputs kept in a list), at the next followed forward, the
-next looked-at step, or the exit summary.
+What a followed forward costs, in training mode: its guard compares the number of backwards started so far
+(`safetorch._backward.count`) with the one it noted at the module's last forward. A forward that follows a backward
+(every training step's) stops there. Only a forward with no backward since the module's last one — an evaluation, a
+sampler, micro-batches summed into one loss, the second of a Siamese pair — reaches `_forward`: grad mode, the
+caller's frame and its site. Top-level calls only (a module called inside another module's forward is never a site);
+a second forward at the same line with no backward since the first gets a pre-hook (`_Seen`) on the nodes that
+produced its output: a backward or ``torch.autograd.grad`` through them marks the forward used. A weak reference
+tells when the graph dies. When `_UNUSED` such forwards at one line, with no backward in between, had their graphs die
+without being used, ST019 is reported at that line, once: at the next such forward there (a loop), or, for graphs
+that died later (a sampler's chained hidden state, outputs kept in a list), at the next forward of a followed module
+that no backward preceded (the training step after the evaluation), the next looked-at step, or the exit summary.
 
 Silent: training forwards (a backward goes through them, or comes between them); summed micro-batches (their graphs
 are used); an evaluation under ``no_grad`` or ``inference_mode`` (no graph: this rule is about the loop with neither
@@ -147,20 +148,22 @@ def _forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     if site is not None and site.backwards == count and site.module() is module:
         return _again(module, site, caller, args, kwargs)
     if site is None or site.module() is not module:
-        _new_site(key, module, count)
-    else:
-        site.backwards = count
-        if site.streak:  # a backward came between: the run of forwards not trained through ends here
-            site.streak = site.unused = 0
-            site.epoch += 1
+        # No backward since the module's last forward (its guard let it through only then): from a loop at this
+        # line, or another line's forward of the same step (a Siamese pair), which the next backward tells apart.
+        return _again(module, _new_site(key, module, count), caller, args, kwargs)
+    site.backwards = count  # a backward came since this line's last forward: its run of forwards ends here
+    if site.streak:
+        site.streak = site.unused = 0
+        site.epoch += 1
     return _call_impl(module, *args, **kwargs)
 
 
-def _new_site(key: tuple[CodeType, int, int], module: torch.nn.Module, count: int) -> None:
+def _new_site(key: tuple[CodeType, int, int], module: torch.nn.Module, count: int) -> _Site:
     if len(_sites) >= _SITES:
         for k in [k for k, s in _sites.items() if s.module() is None][: _SITES // 2] or list(_sites)[: _SITES // 2]:
             del _sites[k]
-    _sites[key] = _Site(module, count)
+    site = _sites[key] = _Site(module, count)
+    return site
 
 
 def _again(module: torch.nn.Module, site: _Site, caller: FrameType, args: tuple[Any, ...],
