@@ -1,5 +1,5 @@
 """``python -m safetorch [options] [--] script.py [args…]`` or ``… -m module [args…]``; ``safetorch rules``,
-``safetorch explain ST003``, ``safetorch --version``.
+``safetorch explain ST003``, ``safetorch fix train.py`` (`safetorch._fix`), ``safetorch --version``.
 
 Runs a program with every check installed and no change to its code, the way ``python -m cProfile`` does: the
 program sees its own ``sys.argv``, runs as ``__main__`` (so ``if __name__ == "__main__":`` blocks and spawned
@@ -31,6 +31,7 @@ exit status: the program's own when it fails; otherwise 1 when anything was foun
 _USAGE = """\
 %(prog)s [options] [--] script.py [args ...]
        %(prog)s [options] -m module [args ...]
+       %(prog)s fix [--write] [--check] [--verify] [--from REPORT.json] [script.py [args ...]]
        %(prog)s rules | explain CODE | --version"""
 
 
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         return _rules_command(argv[1:])
     if argv and argv[0] == "explain":
         return _explain_command(argv[1:])
+    if argv and argv[0] == "fix":
+        from safetorch import _fix
+
+        return _fix.main(argv[1:], _prog())
     parser = _parser()
     ns = parser.parse_args(argv)
     if ns.program and ns.program[0] == "--":  # `safetorch --strict -- train.py`: the rest is the program's

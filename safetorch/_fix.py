@@ -1,0 +1,913 @@
+"""``safetorch fix``: turn what a run found into a reviewed patch.
+
+``python -m safetorch fix [--write] [--check] [--verify] [--from REPORT.json] [--] script.py [args…]`` runs the
+program as the runner does (or reads a JSON report), then prints a unified diff of the fixes for the findings that
+have a mechanical one. Static fixers can only guess what a line does; here the run has seen it: that ``x.cuda()`` at
+that line was discarded, that the model called there was evaluated with nothing using its graph, that
+``size_average=False`` meant ``reduction='sum'``. The rewrite keeps everything else of the file byte for byte: it is
+made on a concrete syntax tree (libcst, the optional extra ``safetorch[fix]``), and only the nodes a fix names change.
+
+Design rules:
+- A fix is made only where the finding and the source together make it certain; anything else is *skipped*, with
+  the reason, and listed: the receiver of a discarded conversion is not a name or an attribute, the probabilities
+  reach the loss through a variable, a legacy argument is given by position, ...
+- Facts come from the finding: its rule, file, line and message (the message is the rule's, stable and tested: the
+  reduction ST002 computed, the prefix ST014 found, the lines ST015 recorded). A fix never runs the user's code.
+- The fixes of one file are applied in one pass over the original tree (nested fixes compose: a conversion fixed
+  inside a loop that is wrapped in ``torch.no_grad()``), so that their positions never shift under each other.
+- ``--verify`` applies the patch to a copy of the script's directory, runs it again and keeps only the fixes whose
+  findings are gone from the run that still succeeds (when the run with every fix fails, each is tried alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+__all__ = ["Edit", "Plan", "Skip", "fixable", "main", "plan"]
+
+#: The rules ``fix`` handles, and what it writes.
+FIXABLE: dict[str, str] = {
+    "ST001": "x.cuda() -> x = x.cuda() (the receiver a name or an attribute)",
+    "ST002": "size_average=/reduce= -> the equivalent reduction=",
+    "ST003": "the evaluation under `with torch.no_grad():` (its loop, or the statement)",
+    "ST004": "total += loss -> total += loss.item()",
+    "ST005": "Variable(x, volatile=True) -> Variable(x)",
+    "ST009": "the softmax's input passed to the loss (log_softmax for nll_loss)",
+    "ST013": "F.dropout(x, p) -> F.dropout(x, p, training=self.training)",
+    "ST014": "the prefix the finding names stripped from the checkpoint's keys",
+    "ST015": "p.require_grad -> p.requires_grad; module.requires_grad = False -> module.requires_grad_(False)",
+}
+
+INSTALL_HINT = "safetorch fix needs libcst: pip install 'safetorch[fix]' (or pip install libcst)"
+
+#: Calls inside which a loop or a function trains (then it is not wrapped in no_grad).
+_TRAINING_CALLS = re.compile(r"\.backward\(|\.step\(|zero_grad\(|autograd\.grad\(|autograd\.backward\(")
+_LOSSES_OF_LOGITS = ("cross_entropy", "binary_cross_entropy_with_logits", "CrossEntropyLoss", "BCEWithLogitsLoss")
+_DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
+
+
+def fixable(code: str) -> bool:
+    return code in FIXABLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    code: str
+    path: str  # absolute
+    line: int
+    message: str
+
+
+@dataclasses.dataclass
+class Edit:
+    """One fix: ``node`` of the file's tree (the original) becomes ``make(node as updated by nested fixes)``."""
+
+    finding: Finding
+    path: str
+    line: int  # the first line of the node it changes
+    end: int  # its last line
+    what: str
+    node: Any = dataclasses.field(repr=False)
+    make: Callable[[Any], Any] = dataclasses.field(repr=False)
+    #: The node's type and position: how the node is found again in another parse of the same text.
+    key: tuple[type, int, int, int, int] = dataclasses.field(repr=False, default=(object, 0, 0, 0, 0))
+
+
+@dataclasses.dataclass
+class Skip:
+    finding: Finding
+    why: str
+
+
+@dataclasses.dataclass
+class Plan:
+    edits: list[Edit]
+    skips: list[Skip]
+    sources: dict[str, str]  # path -> its text now
+
+    def patched(self, edits: Sequence[Edit] | None = None) -> dict[str, str]:
+        """path -> the text with ``edits`` (all by default) applied, for the files they change."""
+        chosen = self.edits if edits is None else edits
+        out: dict[str, str] = {}
+        for path in dict.fromkeys(e.path for e in chosen):
+            out[path] = _apply(self.sources[path], [e for e in chosen if e.path == path])
+        return out
+
+    def diff(self, edits: Sequence[Edit] | None = None, root: str | None = None) -> str:
+        chunks = []
+        for path, new in self.patched(edits).items():
+            old = self.sources[path]
+            if new == old:
+                continue
+            shown = os.path.relpath(path, root or os.getcwd())
+            if shown.startswith(".."):
+                shown = path
+            chunks.append("".join(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                                       f"a/{shown}", f"b/{shown}")))
+        return "".join(chunks)
+
+
+# --- reading findings ----------------------------------------------------------------------------------------------
+
+
+def findings_from(entries: Iterable[dict[str, Any]], base: str | None = None) -> list[Finding]:
+    """Findings from a JSON report's entries (``rule``/``code``, ``abspath``/``file``/``path``, ``line``,
+    ``message``); relative paths are ``base``'s (the report's directory's run: its working directory)."""
+    found = []
+    for e in entries:
+        code = e.get("rule") or e.get("code")
+        path = e.get("abspath") or e.get("file") or e.get("path")
+        if not isinstance(code, str) or not isinstance(path, str) or not isinstance(e.get("line"), int):
+            continue
+        if not os.path.isabs(path):
+            path = os.path.join(base or os.getcwd(), path)
+        message = re.sub(r"\s*\(safetorch explain ST\d+\)\s*$", "", str(e.get("message", "")))
+        found.append(Finding(code, os.path.normpath(path), e["line"], message))
+    return list(dict.fromkeys(found))
+
+
+# --- planning ------------------------------------------------------------------------------------------------------
+
+
+def plan(findings: Iterable[Finding]) -> Plan:
+    """The fixes (and the skips) for ``findings``, read against their files as they are now."""
+    import libcst as cst  # noqa: F401  (ImportError: the caller says how to install it)
+
+    result = Plan([], [], {})
+    by_file: dict[str, list[Finding]] = {}
+    for f in findings:
+        if fixable(f.code):
+            by_file.setdefault(f.path, []).append(f)
+    for path, found in by_file.items():
+        try:
+            with open(path, encoding="utf-8", newline="") as fh:  # its line endings as they are
+                source = fh.read()
+        except OSError as exc:
+            result.skips.extend(Skip(f, f"the file cannot be read ({exc.strerror})") for f in found)
+            continue
+        try:
+            tree = _Tree(path, source)
+        except Exception as exc:  # a file libcst does not parse (a newer syntax)
+            result.skips.extend(Skip(f, f"the file does not parse ({type(exc).__name__})") for f in found)
+            continue
+        result.sources[path] = source
+        taken: set[tuple[Any, str]] = set()
+        for f in sorted(found, key=lambda f: (f.line, f.code)):
+            try:
+                made = _FIXERS[f.code](tree, f)
+            except Exception as exc:  # never let one odd line stop the others
+                made = f"no fix could be made ({type(exc).__name__}: {exc})"
+            if isinstance(made, str):
+                result.skips.append(Skip(f, made))
+                continue
+            for edit in made if isinstance(made, list) else [made]:
+                if (edit.key, edit.what) not in taken:  # two findings, one fix (a loop of two evaluations)
+                    taken.add((edit.key, edit.what))
+                    result.edits.append(edit)
+    return result
+
+
+class _Tree:
+    """A file's tree with its positions and parents."""
+
+    def __init__(self, path: str, source: str) -> None:
+        import libcst as cst
+        from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
+
+        self.path = path
+        self.wrapper = MetadataWrapper(cst.parse_module(source))
+        self.module = self.wrapper.module
+        self.positions = self.wrapper.resolve(PositionProvider)
+        self.parents = self.wrapper.resolve(ParentNodeProvider)
+
+    def span(self, node: Any) -> tuple[int, int]:
+        rng = self.positions[node]
+        return rng.start.line, rng.end.line
+
+    def code(self, node: Any) -> str:
+        return self.module.code_for_node(node)
+
+    def statement(self, line: int) -> Any:
+        """The innermost simple statement line that holds ``line``."""
+        import libcst as cst
+
+        best = None
+        for node, rng in self.positions.items():
+            if isinstance(node, cst.SimpleStatementLine) and rng.start.line <= line <= rng.end.line:
+                if best is None or rng.start.line >= self.positions[best].start.line:
+                    best = node
+        return best
+
+    def nodes(self, root: Any, kind: type) -> list[Any]:
+        """The nodes of ``kind`` under ``root`` (itself included), in source order."""
+        found: list[Any] = []
+
+        def walk(node: Any) -> None:
+            if isinstance(node, kind):
+                found.append(node)
+            for child in node.children:
+                walk(child)
+
+        walk(root)
+        return found
+
+    def ancestors(self, node: Any) -> list[Any]:
+        out = []
+        while node in self.parents:
+            node = self.parents[node]
+            out.append(node)
+        return out
+
+    def binds_torch(self) -> bool:
+        import libcst as cst
+
+        for stmt in self.module.body:
+            if isinstance(stmt, cst.SimpleStatementLine):
+                for small in stmt.body:
+                    if isinstance(small, cst.Import) and any(
+                            alias.asname is None and self.code(alias.name).split(".")[0] == "torch"
+                            or alias.asname is not None and self.code(alias.asname.name) == "torch"
+                            for alias in small.names):
+                        return True
+        return False
+
+    def key(self, node: Any) -> tuple[type, int, int, int, int]:
+        rng = self.positions[node]
+        return type(node), rng.start.line, rng.start.column, rng.end.line, rng.end.column
+
+    def edit(self, finding: Finding, node: Any, what: str | None, make: Callable[[Any], Any]) -> Edit:
+        """The edit of ``node``; ``what`` says it (None: the rewritten node's own text, on one line)."""
+        start, end = self.span(node)
+        if what is None:
+            what = " ".join(self.code(make(node)).split())
+            what = what if len(what) <= 80 else what[:77] + "..."
+        return Edit(finding, self.path, start, end, what, node, make, self.key(node))
+
+
+def _apply(source: str, edits: Sequence[Edit]) -> str:
+    """``source`` with ``edits`` applied in one pass (they were planned on another parse of the same text: each node
+    is found again by its type and position)."""
+    import libcst as cst
+
+    tree = _Tree("", source)
+    by_key: dict[tuple[type, int, int, int, int], list[Edit]] = {}
+    for e in edits:
+        by_key.setdefault(e.key, []).append(e)
+    wanted: dict[int, list[Edit]] = {}
+    for node in tree.positions:
+        found = by_key.get(tree.key(node))
+        if found:
+            wanted[id(node)] = found
+
+    class Apply(cst.CSTTransformer):
+        def on_leave(self, original: Any, updated: Any) -> Any:
+            for e in wanted.get(id(original), ()):
+                updated = e.make(updated)
+            return updated
+
+    return tree.module.visit(Apply()).code
+
+
+# --- the fixers: each returns an Edit, or the reason it makes none -------------------------------------------------
+
+
+def _simple_chain(node: Any) -> bool:
+    import libcst as cst
+
+    while isinstance(node, cst.Attribute):
+        node = node.value
+    return isinstance(node, cst.Name)
+
+
+def _call_name(call: Any) -> str:
+    import libcst as cst
+
+    func = call.func
+    if isinstance(func, cst.Attribute):
+        return func.attr.value
+    if isinstance(func, cst.Name):
+        return func.value
+    return ""
+
+
+def _fix_st001(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+    for small in stmt.body:
+        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) \
+                and isinstance(small.value.func, cst.Attribute):
+            receiver = small.value.func.value
+            if not _simple_chain(receiver):
+                return f"the receiver `{tree.code(receiver)}` is not a plain name or attribute: assign the result"
+            target = tree.code(receiver)
+
+            def make(node: Any, target: str = target) -> Any:
+                return cst.Assign(targets=[cst.AssignTarget(target=cst.parse_expression(target))], value=node.value,
+                                  semicolon=node.semicolon)
+
+            return tree.edit(f, small, None, make)
+    return "the discarded call is not a statement of its own at that line"
+
+
+_LEGACY = ("size_average", "reduce")
+
+
+def _fix_st002(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    match = re.search(r"write reduction='(\w+)'", f.message)
+    if match is None:
+        return "the finding does not name the reduction"
+    new = match.group(1)
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+    for call in tree.nodes(stmt, cst.Call):
+        names = [a.keyword.value for a in call.args if a.keyword is not None]
+        legacy = any(n in _LEGACY for n in names)
+        mean = any(a.keyword is not None and a.keyword.value == "reduction"
+                   and isinstance(a.value, cst.SimpleString) and a.value.evaluated_value == "elementwise_mean"
+                   for a in call.args)
+        if not (legacy or mean):
+            continue
+        if any(a.keyword is None and a.star == "" for a in call.args) and _call_name(call)[:1].isupper() \
+                and len([a for a in call.args if a.keyword is None]) > 1:
+            return "legacy arguments given by position: write reduction= by hand"
+        quote = _quote(tree, call)
+
+        def make(node: Any, new: str = new, quote: str = quote) -> Any:
+            args = [a for a in node.args if a.keyword is None or a.keyword.value not in (*_LEGACY, "reduction")]
+            value = cst.SimpleString(f"{quote}{new}{quote}")
+            old = next((a for a in node.args if a.keyword is not None and a.keyword.value == "reduction"), None)
+            if old is not None:  # in its place
+                index = node.args.index(old)
+                kept = [a for a in node.args[:index] if a in args]
+                args.insert(len(kept), old.with_changes(value=value))
+            else:
+                first = next((a for a in node.args if a.keyword is not None and a.keyword.value in _LEGACY), None)
+                arg = cst.Arg(value=value, keyword=cst.Name("reduction"),
+                              equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                                    whitespace_after=cst.SimpleWhitespace("")))
+                index = node.args.index(first) if first is not None else len(node.args)
+                kept = [a for a in node.args[:index] if a in args]
+                args.insert(len(kept), arg)
+            return node.with_changes(args=_commas(args, node.args))
+
+        return tree.edit(f, call, f"reduction={quote}{new}{quote}", make)
+    return "no legacy argument at that line"
+
+
+def _quote(tree: _Tree, near: Any) -> str:
+    """The quote the call's own strings use, else the file's first string's, else a double quote."""
+    import libcst as cst
+
+    for root in (near, tree.module):
+        for s in tree.nodes(root, cst.SimpleString):
+            if s.quote in ("'", '"'):
+                return s.quote
+    return '"'
+
+
+def _commas(args: list[Any], before: Sequence[Any]) -> list[Any]:
+    """Arguments with their commas as a call wrote them: the last keeps the old last one's (none, or trailing)."""
+    import libcst as cst
+
+    if not args:
+        return args
+    last_comma = before[-1].comma if before else cst.MaybeSentinel.DEFAULT
+    middle = next((a.comma for a in before[:-1] if not isinstance(a.comma, cst.MaybeSentinel)), None)
+    out = []
+    for i, a in enumerate(args):
+        if i < len(args) - 1:
+            comma = a.comma if not isinstance(a.comma, cst.MaybeSentinel) else (middle or cst.Comma(
+                whitespace_after=cst.SimpleWhitespace(" ")))
+            out.append(a.with_changes(comma=comma))
+        else:
+            out.append(a.with_changes(comma=last_comma))
+    return out
+
+
+def _enclosing(tree: _Tree, node: Any, kind: type | tuple[type, ...]) -> list[Any]:
+    return [a for a in tree.ancestors(node) if isinstance(a, kind)]
+
+
+def _fix_st003(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+    if not tree.binds_torch():
+        return "the file does not `import torch`: wrap the evaluation in `with torch.no_grad():` by hand"
+    ancestors = tree.ancestors(stmt)
+    function = next((a for a in ancestors if isinstance(a, (cst.FunctionDef, cst.Lambda))), None)
+    inside = ancestors[: ancestors.index(function)] if function is not None else ancestors
+    if any(isinstance(a, cst.With) and "no_grad" in tree.code(a.items[0]) for a in inside):
+        return "already under no_grad"
+    loops = [a for a in inside if isinstance(a, (cst.For, cst.While))]
+    # The outermost loop of this function that trains nothing: the evaluation loop.
+    target = None
+    for loop in loops:
+        if not _TRAINING_CALLS.search(tree.code(loop)):
+            target = loop
+    what = "the evaluation loop under `with torch.no_grad():`"
+    if target is None:
+        if any(isinstance(s, cst.Return) for s in stmt.body):
+            return "the forward's result is returned: its callers may train through it"
+        target, what = stmt, "the evaluation under `with torch.no_grad():`"
+
+    def make(node: Any) -> Any:
+        inner = node.with_changes(leading_lines=())
+        return cst.With(items=[cst.WithItem(item=cst.parse_expression("torch.no_grad()"))],
+                        body=cst.IndentedBlock(body=[inner]), leading_lines=node.leading_lines)
+
+    return tree.edit(f, target, what, make)
+
+
+def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    match = re.search(r"Write: .*?(\.item\(\)|\.detach\(\))$", f.message.strip())
+    if match is None:
+        return "the finding does not say what to write"
+    method = match.group(1)[1:-2]
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+
+    def called(value: Any) -> Any:
+        if not isinstance(value, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
+            value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        return cst.Call(func=cst.Attribute(value=value, attr=cst.Name(method)))
+
+    for small in stmt.body:
+        if isinstance(small, cst.AugAssign) and isinstance(small.operator, (cst.AddAssign, cst.SubtractAssign)):
+            def make(node: Any) -> Any:
+                return node.with_changes(value=called(node.value))
+
+            return tree.edit(f, small, None, make)
+        if isinstance(small, cst.Assign) and isinstance(small.value, cst.BinaryOperation) \
+                and isinstance(small.value.operator, cst.Add):
+
+            def make_bin(node: Any) -> Any:
+                return node.with_changes(value=node.value.with_changes(right=called(node.value.right)))
+
+            return tree.edit(f, small, None, make_bin)
+    return "no accumulation at that line"
+
+
+def _fix_st005(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+    for call in tree.nodes(stmt, cst.Call):
+        if any(a.keyword is not None and a.keyword.value == "volatile" for a in call.args):
+
+            def make(node: Any) -> Any:
+                args = [a for a in node.args if a.keyword is None or a.keyword.value != "volatile"]
+                return node.with_changes(args=_commas(args, node.args))
+
+            return tree.edit(f, call, "volatile= dropped", make)
+    return "no volatile= at that line"
+
+
+_FUNCTIONAL = frozenset({"F", "torch", "nn", "functional", "torch.nn.functional", "nn.functional", "torch.special"})
+
+
+def _softmax_input(tree: _Tree, call: Any) -> tuple[Any, bool] | None:
+    """(X, method form) for ``F.softmax(X, ...)``, ``torch.sigmoid(X)``, ``softmax(X)``, ``X.softmax(dim)``, and a
+    softmax module called on X (``self.softmax(X)``); None for another call."""
+    import libcst as cst
+
+    if _call_name(call) not in ("softmax", "sigmoid"):
+        return None
+    func = call.func
+    positional = [a for a in call.args if a.keyword is None and a.star == ""]
+    if isinstance(func, cst.Attribute) and tree.code(func.value) not in _FUNCTIONAL \
+            and all(isinstance(a.value, cst.Integer) or isinstance(a.value, cst.UnaryOperation) for a in positional):
+        return func.value, True  # the tensor method: x.softmax(1), x.softmax(dim=-1), x.sigmoid()
+    return (positional[0].value, False) if positional else None
+
+
+def _fix_st009(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    if "a log_softmax over dim=" in f.message:
+        return "the log_softmax's dim is to be changed by hand"
+    nll = f.message.startswith("ST009 nll_loss()")
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+    for call in tree.nodes(stmt, cst.Call):
+        for arg in call.args:
+            if not isinstance(arg.value, cst.Call):
+                continue
+            found = _softmax_input(tree, arg.value)
+            if found is None:
+                continue
+            inner, method = found
+            if nll:
+                if _call_name(arg.value) != "softmax":
+                    continue
+
+                def make_log(node: Any) -> Any:
+                    return node.with_changes(func=node.func.with_changes(attr=cst.Name("log_softmax"))
+                                             if isinstance(node.func, cst.Attribute) else cst.Name("log_softmax"))
+
+                return tree.edit(f, arg.value, "softmax -> log_softmax", make_log)
+            text = tree.code(inner)
+
+            def make(node: Any, text: str = text) -> Any:
+                return cst.parse_expression(text)
+
+            return tree.edit(f, arg.value, f"the loss gets `{text}`", make)
+    return _through_variable(tree, stmt, f, nll)
+
+
+def _through_variable(tree: _Tree, stmt: Any, f: Finding, nll: bool) -> Edit | str:
+    """``probs = F.softmax(logits, dim=1)`` a few statements above ``loss = F.cross_entropy(probs, y)``, in the same
+    block, with neither name assigned in between: the loss gets ``logits``."""
+    import libcst as cst
+
+    given = re.search(r"got `?([A-Za-z_][\w.]*)`?, the output", f.message)
+    if given is None or nll:
+        return "the probabilities reach the loss through an expression: pass the logits there by hand"
+    name = given.group(1)
+    block = tree.parents.get(stmt)
+    body = list(getattr(block, "body", ()))
+    if stmt not in body:
+        return f"the probabilities reach the loss through `{name}`: pass the logits there by hand"
+    assigned: set[str] = set()
+    for previous in reversed(body[: body.index(stmt)]):
+        if not isinstance(previous, cst.SimpleStatementLine):
+            break
+        for small in previous.body:
+            targets = [tree.code(t.target) for t in small.targets] if isinstance(small, cst.Assign) else \
+                [tree.code(small.target)] if isinstance(small, (cst.AugAssign, cst.AnnAssign)) else []
+            if name in targets and len(targets) == 1 and isinstance(small, cst.Assign) \
+                    and isinstance(small.value, cst.Call):
+                found = _softmax_input(tree, small.value)
+                if found is None or not _simple_chain(found[0]) or tree.code(found[0]) in assigned:
+                    return f"`{name}` is not the softmax of a variable the loss could take: pass the logits by hand"
+                logits = tree.code(found[0])
+                uses = [n for n in tree.nodes(stmt, cst.Name) if n.value == name]
+                if len(uses) != 1:
+                    return f"`{name}` is used more than once at that line: pass the logits by hand"
+
+                def make(node: Any, logits: str = logits) -> Any:
+                    return cst.parse_expression(logits)
+
+                return tree.edit(f, uses[0], f"the loss gets `{logits}` in place of `{name}`", make)
+            if name in targets:
+                return f"`{name}` is not assigned a softmax just above: pass the logits by hand"
+            assigned.update(targets)
+    return f"no `{name} = softmax(...)` just above in the same block: pass the logits by hand"
+
+
+def _fix_st013(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+    function = next((a for a in tree.ancestors(stmt) if isinstance(a, cst.FunctionDef)), None)
+    if function is None or not function.params.params:
+        return "not in a method: pass training= by hand"
+    owner = function.params.params[0].name.value
+    for call in tree.nodes(stmt, cst.Call):
+        functional = isinstance(call.func, cst.Name) or (isinstance(call.func, cst.Attribute)
+                                                          and tree.code(call.func.value) in _FUNCTIONAL)
+        if functional and _call_name(call) in _DROPOUTS and not any(
+                a.keyword is not None and a.keyword.value == "training" for a in call.args):
+            if len([a for a in call.args if a.keyword is None]) >= 3:
+                continue
+
+            def make(node: Any, owner: str = owner) -> Any:
+                arg = cst.Arg(value=cst.parse_expression(f"{owner}.training"), keyword=cst.Name("training"),
+                              equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                                    whitespace_after=cst.SimpleWhitespace("")))
+                return node.with_changes(args=_commas([*node.args, arg], node.args))
+
+            return tree.edit(f, call, f"training={owner}.training", make)
+    return "no F.dropout without training= at that line"
+
+
+def _fix_st014(tree: _Tree, f: Finding) -> Edit | str:
+    import libcst as cst
+
+    match = re.search(r"The checkpoint's keys start with ('(?:[^'\\]|\\.)*'|\"[^\"]*\")", f.message)
+    if match is None:
+        return "the finding names no prefix to strip"
+    prefix = match.group(1)
+    stmt = tree.statement(f.line)
+    if stmt is None:
+        return "no statement at that line"
+    for call in tree.nodes(stmt, cst.Call):
+        if _call_name(call) == "load_state_dict":
+            positional = [a for a in call.args if a.keyword is None and a.star == ""]
+            if not positional:
+                return "the state dict is not given by position"
+            arg = positional[0]
+            text = tree.code(arg.value)
+            if not isinstance(arg.value, (cst.Name, cst.Attribute, cst.Subscript, cst.Call)):
+                text = f"({text})"
+
+            def make(node: Any, text: str = text) -> Any:
+                return node.with_changes(value=cst.parse_expression(
+                    f"{{k.removeprefix({prefix}): v for k, v in {text}.items()}}"))
+
+            return tree.edit(f, arg, f"keys without {prefix}", make)
+    return "no load_state_dict() at that line"
+
+
+def _fix_st015(tree: _Tree, f: Finding) -> list[Edit] | str:
+    import libcst as cst
+
+    edits: list[Edit] = []
+    reasons: list[str] = []
+    for segment in f.message.split("; and "):
+        module = "set an attribute of the module" in segment
+        places = re.search(r" in its place, at (.+?)(?: and \d+ more)?(?: \(safetorch explain|$)", segment)
+        if places is None:
+            reasons.append("the finding names no line that set the attribute")
+            continue
+        for place in places.group(1).split(", "):
+            filename, _, line = place.rpartition(":")
+            if not line.isdigit() or os.path.normpath(os.path.abspath(filename)) != tree.path and \
+                    os.path.basename(filename) != os.path.basename(tree.path):
+                reasons.append(f"the assignment is in another file ({place})")
+                continue
+            stmt = tree.statement(int(line))
+            small = next((s for s in (stmt.body if stmt is not None else ()) if isinstance(s, cst.Assign)
+                          and len(s.targets) == 1 and isinstance(s.targets[0].target, cst.Attribute)), None)
+            if small is None:
+                reasons.append(f"no attribute assignment at line {line}")
+                continue
+            target = small.targets[0].target
+            if module:
+                receiver = tree.code(target.value)
+
+                def make(node: Any, receiver: str = receiver) -> Any:
+                    return cst.Expr(value=cst.Call(func=cst.parse_expression(f"{receiver}.requires_grad_"),
+                                                   args=[cst.Arg(value=node.value)]), semicolon=node.semicolon)
+
+                edits.append(tree.edit(f, small, None, make))
+            else:
+
+                def rename(node: Any) -> Any:
+                    t = node.targets[0]
+                    return node.with_changes(targets=[t.with_changes(target=t.target.with_changes(
+                        attr=cst.Name("requires_grad")))])
+
+                edits.append(tree.edit(f, small, None, rename))
+    if edits:
+        return edits
+    return "; ".join(reasons) or "nothing to fix"
+
+
+_FIXERS: dict[str, Callable[[_Tree, Finding], Any]] = {
+    "ST001": _fix_st001, "ST002": _fix_st002, "ST003": _fix_st003, "ST004": _fix_st004, "ST005": _fix_st005,
+    "ST009": _fix_st009, "ST013": _fix_st013, "ST014": _fix_st014, "ST015": _fix_st015,
+}
+
+
+# --- running the program -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    status: int  # the program's own exit status (findings do not change it: the runner is given --exit-zero)
+    findings: list[Finding]
+    output: str  # what the program and the runner printed
+
+
+def run(script: str, args: Sequence[str], cwd: str | None = None, timeout: float | None = None) -> Run:
+    """Run ``script`` under the runner, as ``python -m safetorch --exit-zero --report … script args`` would, and read
+    what it found from the report."""
+    env = {k: v for k, v in os.environ.items() if k not in ("SAFETORCH_STRICT", "SAFETORCH_DISABLE", "SAFETORCH_REPORT",
+                                                             "SAFETORCH_FORMAT", "SAFETORCH_RUNNER")}
+    with tempfile.TemporaryDirectory(prefix="safetorch-fix-") as tmp:
+        report = os.path.join(tmp, "findings.json")
+        cmd = [sys.executable, "-m", "safetorch", "--exit-zero", "--report", report, "--", script, *args]
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        entries: list[dict[str, Any]] = []
+        if os.path.exists(report):
+            with open(report, encoding="utf-8") as fh:
+                entries = json.load(fh)
+    return Run(proc.returncode, findings_from(entries, cwd), proc.stdout + proc.stderr)
+
+
+# --- verification: the patched program, run again -----------------------------------------------------------------
+
+
+def _copy_root(script: str) -> str:
+    return os.path.dirname(os.path.abspath(script))
+
+
+_IGNORED = shutil.ignore_patterns(".git", "__pycache__", "*.pyc", ".venv", "venv", "node_modules", ".mypy_cache",
+                                  ".ruff_cache", ".pytest_cache")
+
+
+def _line_map(old: str, new: str) -> dict[int, int]:
+    """new line -> old line, for the lines a patch left as they were."""
+    mapping: dict[int, int] = {}
+    matcher = difflib.SequenceMatcher(None, old.splitlines(), new.splitlines(), autojunk=False)
+    for tag, i1, i2, j1, _ in matcher.get_opcodes():
+        if tag == "equal":
+            for k in range(i2 - i1):
+                mapping[j1 + k + 1] = i1 + k + 1
+    return mapping
+
+
+def _still_found(edit: Edit, found: list[Finding], maps: dict[str, dict[int, int]]) -> bool:
+    """Whether the run of the patched copy still finds what ``edit`` fixed: the same rule at the finding's line
+    (mapped back), or inside the lines the fix rewrote."""
+    for f in found:
+        if f.code != edit.finding.code or f.path != edit.path:
+            continue
+        old = maps.get(f.path, {}).get(f.line)
+        if old is None or old == edit.finding.line or edit.line <= old <= edit.end:
+            return True
+    return False
+
+
+def verify(p: Plan, edits: Sequence[Edit], script: str, args: Sequence[str], cwd: str,
+           timeout: float | None = None) -> tuple[list[Edit], list[Finding] | None]:
+    """The edits that, applied together to a copy of the script's directory, leave a run that succeeds and no
+    longer finds what they fixed (when that run fails, each edit is tried alone first), and what the run of the kept
+    edits found (its lines are the patched files', its paths the originals'; None when nothing ran)."""
+    root = os.path.realpath(_copy_root(script))
+    inside = [e for e in edits if os.path.commonpath([root, os.path.realpath(e.path)]) == root]
+
+    def attempt(chosen: Sequence[Edit]) -> tuple[list[Edit], list[Finding] | None]:
+        if not chosen:
+            return [], None
+        patched = p.patched(chosen)
+        with tempfile.TemporaryDirectory(prefix="safetorch-verify-") as tmp:
+            copy = os.path.join(os.path.realpath(tmp), os.path.basename(root) or "program")
+            shutil.copytree(root, copy, ignore=_IGNORED, symlinks=True)
+            for path, text in patched.items():
+                with open(os.path.join(copy, os.path.relpath(os.path.realpath(path), root)), "w", encoding="utf-8",
+                          newline="") as fh:
+                    fh.write(text)
+            rel_cwd = os.path.relpath(os.path.realpath(cwd), root)
+            there = os.path.join(copy, rel_cwd) if not rel_cwd.startswith("..") else cwd
+            result = run(os.path.join(copy, os.path.relpath(os.path.realpath(script), root)), args, there, timeout)
+        if result.status != 0:
+            return [], None
+        back = {os.path.realpath(path): path for path in p.sources}
+
+        def original(path: str) -> str:
+            real = os.path.realpath(path)
+            if real.startswith(copy + os.sep):
+                real = os.path.join(root, os.path.relpath(real, copy))
+            return back.get(real, real)
+
+        found = [dataclasses.replace(f, path=original(f.path)) for f in result.findings]
+        maps = {path: _line_map(p.sources[path], text) for path, text in patched.items()}
+        return [e for e in chosen if not _still_found(e, found, maps)], found
+
+    kept, found = attempt(inside)
+    if len(kept) == len(inside):
+        return kept, found
+    alone = [e for e in inside if attempt([e])[0] == [e]]
+    together, found = attempt(alone)
+    return (together, found) if len(together) == len(alone) else ([], None)
+
+
+# --- the command ---------------------------------------------------------------------------------------------------
+
+
+_USAGE = """\
+%(prog)s [--write] [--check] [--verify] [--] script.py [args ...]
+       %(prog)s [--write] [--check] --from REPORT.json"""
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"{prog} fix", usage=_USAGE, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run a program (or read a JSON report) and print a unified diff of the fixes for what it found: "
+                    "the rules with a mechanical fix, where the run makes it certain.",
+        epilog="rules it fixes:\n" + "\n".join(f"  {code}  {what}" for code, what in FIXABLE.items())
+        + "\n\nexit status: 0; with --check, 1 when there is something to fix; 2 for a usage error.")
+    parser.add_argument("--write", action="store_true", help="apply the fixes to the files (formatting kept)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when there is something to fix (pre-commit, CI)")
+    parser.add_argument("--verify", action="store_true",
+                        help="apply the patch to a copy of the script's directory and run it again: keep the fixes "
+                             "whose findings are gone from a run that still succeeds")
+    parser.add_argument("--from", dest="report", metavar="REPORT.json",
+                        help="read the findings of an earlier run (python -m safetorch --report REPORT.json ...)")
+    parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
+    return parser
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str], prog: str = "python -m safetorch") -> int:
+    ns = _parser(prog).parse_args(list(argv))
+    program = ns.program[1:] if ns.program[:1] == ["--"] else ns.program
+    try:
+        import libcst  # noqa: F401
+    except ImportError:
+        _say(f"{prog} fix: {INSTALL_HINT}")
+        return 2
+    cwd = os.getcwd()
+    if ns.report is not None:
+        if program and not ns.verify:
+            _say(f"{prog} fix: error: --from reads a report; a script is only for --verify")
+            return 2
+        try:
+            with open(ns.report, encoding="utf-8") as fh:
+                entries = json.load(fh)
+        except (OSError, ValueError) as exc:
+            _say(f"{prog} fix: error: the report {ns.report!r} cannot be read ({exc})")
+            return 2
+        if not isinstance(entries, list):
+            _say(f"{prog} fix: error: {ns.report!r} is not a JSON report of safetorch (a list of findings)")
+            return 2
+        found = findings_from(entries, os.path.dirname(os.path.abspath(ns.report)))
+    else:
+        if not program:
+            _say(f"{prog} fix: error: no script to run (see --help)")
+            return 2
+        if not os.path.exists(program[0]):
+            _say(f"{prog} fix: error: can't open file {program[0]!r}: no such file")
+            return 2
+        _say(f"safetorch fix: running {' '.join(program)}")
+        result = run(program[0], program[1:], cwd)
+        if result.status != 0:
+            _say(result.output.rstrip())
+            _say(f"safetorch fix: the program failed (exit status {result.status}); the fixes are for what it found "
+                 f"before")
+        found = result.findings
+    if ns.verify and not program:
+        _say(f"{prog} fix: error: --verify needs the script to run again")
+        return 2
+    fixed: list[Edit] = []
+    skips: dict[tuple[Finding, str], Skip] = {}
+    diffs: list[str] = []
+    for _ in range(_ROUNDS):
+        p = plan(found)
+        edits, after = p.edits, None
+        if ns.verify and edits:
+            kept, after = verify(p, edits, program[0], program[1:], cwd)
+            for e in edits:
+                if e not in kept:
+                    p.skips.append(Skip(e.finding, f"not verified: {e.what} (the run of the patched copy still found "
+                                                   f"it, or failed)"))
+            edits = kept
+        for s in p.skips:
+            skips.setdefault((s.finding, s.why), s)
+        fixed.extend(edits)
+        diffs.append(p.diff(edits))
+        if ns.write:
+            for path, text in p.patched(edits).items():
+                if text != p.sources[path]:
+                    with open(path, "w", encoding="utf-8", newline="") as fh:
+                        fh.write(text)
+        # --write --verify: what the patched program found (past a crash the old lines hid) is the next round's work.
+        if not (ns.write and edits and after is not None):
+            break
+        found = after
+    if not ns.write and any(diffs):
+        sys.stdout.write("".join(diffs))
+        sys.stdout.flush()
+    for e in fixed:
+        done = "fixed" if ns.write else "fix"
+        _say(f"{done}: {_where(e.path, e.finding.line, cwd)}: {e.finding.code} {e.what}"
+             + (" (verified)" if ns.verify else ""))
+    for s in skips.values():
+        if not any(e.finding == s.finding for e in fixed):
+            _say(f"skipped: {_where(s.finding.path, s.finding.line, cwd)}: {s.finding.code} {s.why}")
+    others = sorted({f.code for f in found if not fixable(f.code)})
+    if others:
+        _say(f"no mechanical fix for {', '.join(others)}: see safetorch explain CODE")
+    if not fixed:
+        _say("safetorch fix: nothing to fix")
+    return 1 if ns.check and fixed and not ns.write else 0
+
+
+_ROUNDS = 4  # --write --verify: rounds of fixing what the fixed program found
+
+
+def _where(path: str, line: int, cwd: str) -> str:
+    rel = os.path.relpath(path, cwd)
+    return f"{path if rel.startswith('..') else rel}:{line}"
