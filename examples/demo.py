@@ -115,4 +115,8 @@ for _step in range(4):
     perceptual.backward()  # ST020: loss_net's gradients, which no optimizer holds, grow every step
     optimizer.step()
 
+# A test loop left in training mode: BatchNorm folds the test batches into its running statistics.
+test_batches = [torch.randn(8, 3, 16, 16, dtype=torch.float64) for _ in range(6)]
+test_scores = [model(batch).argmax(1) for batch in test_batches]  # ST019: neither model.eval() nor no_grad()
+
 # ST016 and ST017 need a DistributedDataParallel job of several ranks: see tests/distributed_job.py.

@@ -23,11 +23,29 @@ import linecache
 import sys
 import tokenize
 from collections.abc import MutableMapping, MutableSequence
+from inspect import CO_OPTIMIZED
 from types import CodeType, FrameType
 from typing import Any
 
 __all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded",
-           "method_call", "normalized", "quoted_call", "source_line", "trim"]
+           "frame_locals", "method_call", "normalized", "quoted_call", "source_line", "trim"]
+
+_SNAPSHOT = sys.version_info < (3, 13)
+
+
+def frame_locals(frame: FrameType) -> dict[str, Any]:
+    """The frame's local variables. Before Python 3.13 a function frame's ``f_locals`` is a snapshot that the frame
+    keeps, holding every value it copied until the frame ends: read at an optimizer step of a training function, it
+    would keep that step's loss, and its graph, alive for the rest of training. So a function frame's snapshot is
+    copied and emptied (a later read — ``locals()``, a debugger's — fills it again); a module's or a class body's
+    namespace is the real one, and is returned as it is."""
+    scope = frame.f_locals
+    if _SNAPSHOT and frame.f_code.co_flags & CO_OPTIMIZED and scope is not frame.f_globals:
+        copy = dict(scope)
+        scope.clear()
+        return copy
+    return scope
+
 
 # Instructions that neither push nor pop: skipped when looking for the producer of a value.
 _NO_STACK = {"NOP", "EXTENDED_ARG", "CACHE", "RESUME", "NOT_TAKEN"}
@@ -376,7 +394,7 @@ def _builtin(frame: FrameType, name: str) -> bool:
     """Whether ``name`` in the frame is a function or type written in C (``any``, ``map``, ``sorted``): a method
     reached from the frame's call of it was called from C. A tensor method under another name (``f = x.float``)
     is no builtin of this kind."""
-    value = frame.f_locals.get(name, frame.f_globals.get(name, _MISSING_NAME))
+    value = frame_locals(frame).get(name, frame.f_globals.get(name, _MISSING_NAME))
     if value is _MISSING_NAME:
         value = frame.f_builtins.get(name, _MISSING_NAME)
     return getattr(value, "__module__", None) == "builtins"  # `any`, and types such as `map` or `sorted`'s list
@@ -479,7 +497,7 @@ def _value(frame: FrameType, node: ast.AST) -> Any:
     globals, builtins); attributes with ``getattr``, as the program's line just did; items only of a plain dict,
     list or tuple, whose lookup runs no code of the program's (a ``defaultdict`` would insert a missing key)."""
     if isinstance(node, ast.Name):
-        for scope in (getattr(frame, "f_locals", None), frame.f_globals, getattr(frame, "f_builtins", None)):
+        for scope in (frame_locals(frame), frame.f_globals, getattr(frame, "f_builtins", None)):
             if scope is not None and node.id in scope:
                 return scope[node.id]
         return _UNKNOWN

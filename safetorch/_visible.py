@@ -12,18 +12,19 @@ from types import BuiltinFunctionType, FrameType, FunctionType, MethodType, Modu
 
 import torch
 
-__all__ = ["LIMIT", "modules"]
+from ._callsite import frame_locals
+
+__all__ = ["LIMIT", "frame_locals", "modules"]
 
 LIMIT = 256  # names looked at, and modules returned, at most
 _ATTRIBUTES = 64  # attributes looked at per object
 _NOT_HOLDERS = (type, ModuleType, FunctionType, BuiltinFunctionType, MethodType, torch.Tensor)
-
-
 def modules(frame: FrameType, limit: int = LIMIT) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) for the modules the frame sees: its locals, then its globals, then those one attribute below a
     local or global object that is not a module itself, in that order (a name may be given twice)."""
     found: list[tuple[str, torch.nn.Module]] = []
-    scopes = [frame.f_locals] if frame.f_locals is frame.f_globals else [frame.f_locals, frame.f_globals]
+    local = frame_locals(frame)
+    scopes = [local] if local is frame.f_globals else [local, frame.f_globals]
     looked = 0
     for scope in scopes:
         for name, value in list(scope.items()):

@@ -550,3 +550,29 @@ def test_it_works_alone_with_st003_and_st008_off_and_guards_no_eval_mode_module(
             model(x + i); line = lineno()  # noqa: E702
     assert "_call_impl" not in frozen.__dict__ and eval_mode_grad.following(model)
     assert [(w.category, w.lineno) for w in got] == [(EvaluationInTrainModeWarning, line)]
+
+
+def test_a_looked_at_step_keeps_nothing_of_the_training_function_alive() -> None:
+    """Finding the models reads the frame of the ``step()`` line: before Python 3.13 its ``f_locals`` is a snapshot
+    the frame keeps, which would hold every step's loss (and graph) that was read for the rest of the function."""
+    import weakref
+
+    dead: list[bool] = []
+
+    def train() -> None:
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _data()
+        refs = []
+        for _ in range(4):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            refs.append(weakref.ref(loss))
+            loss.backward()
+            opt.step()  # looked at: the frame is read
+        del loss
+        dead.extend(r() is None for r in refs)
+        assert eval_mode_grad.following(model)
+
+    train()
+    assert dead == [True] * 4

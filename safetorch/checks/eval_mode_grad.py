@@ -65,7 +65,7 @@ import torch
 from torch.autograd import grad_mode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import _backward
+from .. import _backward, _visible
 from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
@@ -391,7 +391,7 @@ def _passthrough() -> bool:
 
 def _first_argument(frame: FrameType) -> Any:
     code = frame.f_code
-    return frame.f_locals.get(code.co_varnames[0]) if code.co_argcount > 0 else None
+    return _visible.frame_locals(frame).get(code.co_varnames[0]) if code.co_argcount > 0 else None
 
 
 def _in_forward(caller: FrameType) -> bool:

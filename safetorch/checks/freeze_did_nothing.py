@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 from torch.optim import Optimizer
 
+from .. import _visible
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report, user_frame
@@ -196,7 +197,7 @@ def _at(places: list[tuple[str, int] | None]) -> str:
 def _modules(frame: FrameType) -> list[tuple[str, nn.Module]]:
     """The modules the caller's variables hold, with the variable's name (the first one, locals first)."""
     seen: dict[int, tuple[str, nn.Module]] = {}
-    for scope in (frame.f_locals, frame.f_globals):
+    for scope in (_visible.frame_locals(frame), frame.f_globals):
         for name, value in list(scope.items()):
             if isinstance(value, nn.Module):
                 seen.setdefault(id(value), (name, value))
