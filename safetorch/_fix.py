@@ -150,6 +150,9 @@ def plan(findings: Iterable[Finding]) -> Plan:
         if fixable(f.code):
             by_file.setdefault(f.path, []).append(f)
     for path, found in by_file.items():
+        if _installed(path):
+            result.skips.extend(Skip(f, "in an installed library, not the program's own code") for f in found)
+            continue
         try:
             with open(path, encoding="utf-8", newline="") as fh:  # its line endings as they are
                 source = fh.read()
@@ -176,6 +179,16 @@ def plan(findings: Iterable[Finding]) -> Plan:
                     taken.add((edit.key, edit.what))
                     result.edits.append(edit)
     return result
+
+
+def _installed(path: str) -> bool:
+    """A file of an installed library or of the standard library (never rewritten)."""
+    import sysconfig
+
+    real = os.path.realpath(path)
+    roots = {sysconfig.get_paths().get(k) for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    return any(f"{os.sep}{d}{os.sep}" in real for d in ("site-packages", "dist-packages")) or any(
+        r and real.startswith(os.path.realpath(r) + os.sep) for r in roots)
 
 
 class _Tree:

@@ -398,3 +398,12 @@ def test_a_softmax_module_and_a_dropout_module_on_the_fixed_line_are_told_apart(
                                  "self.dropout(F.dropout(self.fc(x), 0.2, training=self.training))").replace(
         "F.cross_entropy(self.softmax(self(x)), y)", "F.cross_entropy(self(x), y)")
     assert sorted(e.finding.code for e in p.edits) == ["ST009", "ST013"]
+
+
+def test_a_finding_in_an_installed_library_is_never_rewritten(tmp_path: Path) -> None:
+    library = tmp_path / "site-packages" / "lib.py"
+    library.parent.mkdir()
+    library.write_text("x.float()\n")
+    p = _fix.plan([_fix.Finding("ST001", str(library), 1, "ST001 x.float() returns a copy")])
+    assert p.edits == [] and [s.why for s in p.skips] == ["in an installed library, not the program's own code"]
+    assert library.read_text() == "x.float()\n"
