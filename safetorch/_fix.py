@@ -53,7 +53,6 @@ INSTALL_HINT = "safetorch fix needs libcst: pip install 'safetorch[fix]' (or pip
 
 #: Calls inside which a loop or a function trains (then it is not wrapped in no_grad).
 _TRAINING_CALLS = re.compile(r"\.backward\(|\.step\(|zero_grad\(|autograd\.grad\(|autograd\.backward\(")
-_LOSSES_OF_LOGITS = ("cross_entropy", "binary_cross_entropy_with_logits", "CrossEntropyLoss", "BCEWithLogitsLoss")
 _DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
 
 

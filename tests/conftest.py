@@ -5,9 +5,10 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 import safetorch
 from safetorch import _deferred, _losses, _report
@@ -69,6 +70,19 @@ def findings() -> Iterator[list[warnings.WarningMessage]]:
         yield got
     got.extend(w for w in caught if issubclass(w.category, (safetorch.SafetorchWarning,
                                                              safetorch.SafetorchInternalWarning)))
+
+
+def on_and_off(program: Callable[[], list[torch.Tensor]]) -> tuple[list[warnings.WarningMessage], bool]:
+    """The findings of ``program`` with safetorch on, and whether the tensors it returns are those it gives with
+    safetorch off, exactly (the program seeds itself)."""
+    with findings() as got:
+        on = program()
+    safetorch.uninstall()
+    try:
+        off = program()
+    finally:
+        safetorch.install()
+    return got, len(on) == len(off) and all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ import safetorch
 from safetorch import EvaluationInTrainModeWarning, SafetorchError
 from safetorch.checks import eval_mode_grad, evaluation_in_train_mode
 
-from .conftest import findings, lineno, run_python
+from .conftest import findings, lineno, on_and_off, run_python
 
 F = nn.functional
 
@@ -48,22 +48,6 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 def _numbers(*modules: nn.Module) -> list[torch.Tensor]:
     """Parameters and buffers (BatchNorm's running statistics and num_batches_tracked): what an evaluation changes."""
     return [t.detach().clone() for m in modules for t in [*m.parameters(), *m.buffers()]]
-
-
-def _same(on: list[torch.Tensor], off: list[torch.Tensor]) -> bool:
-    return len(on) == len(off) and all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
-
-
-def _on_and_off(program: Callable[[], list[torch.Tensor]]) -> tuple[list[warnings.WarningMessage], bool]:
-    """The findings of ``program`` with safetorch on, and whether its numbers are those it gives with safetorch off."""
-    with findings() as got:
-        on = program()
-    safetorch.uninstall()
-    try:
-        off = program()
-    finally:
-        safetorch.install()
-    return got, _same(on, off)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, steps: int = 3) -> None:
@@ -110,7 +94,7 @@ def test_an_evaluation_left_in_training_mode_is_found_at_its_forward_with_the_sa
         "running statistics that evaluation uses later and dropout was on. The model is changed by its own "
         "evaluation, and its results are noisy. Write: model.eval() and `with torch.no_grad():` around the "
         "evaluation, then model.train() before training resumes (safetorch explain ST019)")
-    got, same = _on_and_off(_evaluation_left_in_train_mode)
+    got, same = on_and_off(_evaluation_left_in_train_mode)
     assert [w.category for w in got] == [EvaluationInTrainModeWarning] and same
 
 
@@ -385,7 +369,7 @@ LOOK_ALIKES: dict[str, Callable[[], list[torch.Tensor]]] = {
 
 @pytest.mark.parametrize("name", LOOK_ALIKES)
 def test_a_look_alike_stays_silent_with_the_same_numbers(name: str) -> None:
-    got, same = _on_and_off(LOOK_ALIKES[name])
+    got, same = on_and_off(LOOK_ALIKES[name])
     assert [str(w.message)[:60] for w in got] == []
     assert same
 

@@ -14,7 +14,7 @@ import safetorch
 from safetorch import GradientsNobodyUsesWarning, SafetorchError, _deferred, _steps
 from safetorch.checks import gradients_nobody_uses
 
-from .conftest import findings, lineno
+from .conftest import findings, lineno, on_and_off
 
 F = nn.functional
 
@@ -41,22 +41,6 @@ def _nets() -> Nets:
 def _numbers(*modules: nn.Module) -> list[torch.Tensor]:
     return [t.detach().clone() for m in modules for p in m.parameters()
             for t in ([p] if p.grad is None else [p, p.grad])]
-
-
-def _same(on: list[torch.Tensor], off: list[torch.Tensor]) -> bool:
-    return len(on) == len(off) and all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
-
-
-def _on_and_off(train: Callable[[], list[torch.Tensor]]) -> tuple[list[warnings.WarningMessage], bool]:
-    """The findings of ``train`` with safetorch on, and whether its numbers are those it gives with safetorch off."""
-    with findings() as got:
-        on = train()
-    safetorch.uninstall()
-    try:
-        off = train()
-    finally:
-        safetorch.install()
-    return got, _same(on, off)
 
 
 def _perceptual(steps: int = 5) -> list[torch.Tensor]:
@@ -87,8 +71,8 @@ def test_a_perceptual_loss_network_left_trainable_is_found_at_the_backward_line(
     assert ".eval()" not in message.split("Write:")[1]  # already in eval mode (and without dropout or BatchNorm)
 
 
-def test_the_perceptual_loop_trains_identically_on_and_off() -> None:
-    got, same = _on_and_off(_perceptual)
+def test_the_perceptual_loop_trains_identicallyon_and_off() -> None:
+    got, same = on_and_off(_perceptual)
     assert [w.category for w in got] == [GradientsNobodyUsesWarning]
     assert same
 
@@ -361,7 +345,7 @@ LOOK_ALIKES: dict[str, Callable[[], list[torch.Tensor]]] = {
 
 @pytest.mark.parametrize("name", LOOK_ALIKES)
 def test_a_look_alike_stays_silent_with_the_same_numbers(name: str) -> None:
-    got, same = _on_and_off(LOOK_ALIKES[name])
+    got, same = on_and_off(LOOK_ALIKES[name])
     assert got == []
     assert same
 
@@ -471,7 +455,7 @@ def test_device_path_the_decision_is_read_once_the_device_has_computed_it_withou
 @pytest.mark.usefixtures("device_path")
 def test_device_path_a_reset_by_value_stays_silent() -> None:
     """``p.grad.zero_()`` keeps the same tensor: only the values show the reset, compared on the device."""
-    got, same = _on_and_off(lambda: _updated_by_hand(_manual_zero))
+    got, same = on_and_off(lambda: _updated_by_hand(_manual_zero))
     _deferred.poll(wait=True)
     assert got == []
     assert same
