@@ -117,3 +117,46 @@ def test_the_hugging_face_trainer_loop_is_silent_and_trains_identically(tmp_path
     off = train()
     safetorch.install()
     assert on.keys() == off.keys() and all(torch.equal(on[k], off[k]) for k in on)
+
+
+def _bert_fine_tuned_then_evaluated(path: str, evaluate: str) -> tuple[list[torch.Tensor], list[Any], int | None]:
+    """model.train(), a few steps, then an evaluation of held-out batches: ``evaluate`` is "as written" (neither
+    eval() nor no_grad: ST019) or "right" (eval() and no_grad). Its numbers, its findings, the evaluation's line."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.BertForSequenceClassification.from_pretrained(path)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    logits, line = [], None
+    with findings() as got:
+        for _ in range(3):
+            out = model(input_ids=torch.randint(0, 64, (4, 8)), labels=torch.randint(0, 2, (4,)))
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+        held_out = [torch.randint(0, 64, (4, 8)) for _ in range(6)]
+        if evaluate == "right":
+            model.eval()
+            with torch.no_grad():
+                logits = [model(input_ids=ids).logits for ids in held_out]
+        else:
+            for ids in held_out:
+                logits.append(model(input_ids=ids).logits.detach()); line = lineno()  # noqa: E702
+    return [*logits, *(p.detach().clone() for p in model.parameters())], got, line
+
+
+@pytest.mark.parametrize("evaluate", ["as written", "right"])
+def test_a_bert_evaluated_in_training_mode_gets_st019_and_the_right_evaluation_does_not(
+        tmp_path: Any, evaluate: str) -> None:
+    _tiny_bert(str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        on, got, line = _bert_fine_tuned_then_evaluated(str(tmp_path), evaluate)
+        safetorch.uninstall()
+        try:
+            off, _, _ = _bert_fine_tuned_then_evaluated(str(tmp_path), evaluate)
+        finally:
+            safetorch.install()
+    assert [(w.category, w.lineno) for w in got] == ([] if line is None else
+                                                    [(safetorch.EvaluationInTrainModeWarning, line)])
+    assert len(on) == len(off) and all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
