@@ -120,7 +120,7 @@ def test_the_message_names_the_callers_expression_and_only_the_layers_the_model_
     assert [w.category for w in got] == [EvaluationInTrainModeWarning]
     message = str(got[0].message)
     assert message.startswith("ST019 self.net (Sequential) evaluates in training mode")
-    assert "while dropout was on." in message and "BatchNorm" not in message
+    assert "while dropout was on. Its results are noisy. Write:" in message and "BatchNorm" not in message
     assert "Write: self.net.eval() and `with torch.no_grad():`" in message
 
 

@@ -246,10 +246,16 @@ def _flush() -> None:
 
 def _message(site: _Site, effects: list[str], count: int) -> str:
     name = site.name
+    statistics = any("BatchNorm" in e for e in effects)
+    dropout = any("dropout" in e for e in effects)
+    if statistics:
+        harm = "The model is changed by its own evaluation" + (", and its results are noisy" if dropout else "")
+    else:
+        harm = "Its results are noisy"
     return (f"{CODE} {name} ({site.kind}) evaluates in training mode with autograd on: {count} forwards at this line "
-            f"with no backward in between built graphs that died unused, while {joined(effects)}. The model is "
-            f"changed by its own evaluation, and its results are noisy. Write: {name}.eval() and `with "
-            f"torch.no_grad():` around the evaluation, then {name}.train() before training resumes")
+            f"with no backward in between built graphs that died unused, while {joined(effects)}. {harm}. Write: "
+            f"{name}.eval() and `with torch.no_grad():` around the evaluation, then {name}.train() before training "
+            f"resumes")
 
 
 # --- which modules are followed ------------------------------------------------------------------------------
