@@ -71,7 +71,7 @@ def test_a_perceptual_loss_network_left_trainable_is_found_at_the_backward_line(
     assert ".eval()" not in message.split("Write:")[1]  # already in eval mode (and without dropout or BatchNorm)
 
 
-def test_the_perceptual_loop_trains_identicallyon_and_off() -> None:
+def test_the_perceptual_loop_trains_identically_on_and_off() -> None:
     got, same = on_and_off(_perceptual)
     assert [w.category for w in got] == [GradientsNobodyUsesWarning]
     assert same
