@@ -187,7 +187,47 @@ def test_no_watch_outlives_the_looked_at_steps() -> None:
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    assert not any(p._backward_hooks for p in model.parameters())
+    # torch's state, not an empty dict: an empty one still costs every backward (the C++ runner stays)
+    assert all(p._backward_hooks is None for p in model.parameters())
+
+
+def test_a_hook_of_the_program_on_the_watched_parameter_stays_and_fires() -> None:
+    from safetorch import _steps
+
+    model, opt, x, y = _setup()
+    first = next(model.parameters())
+    seen: list[torch.Size] = []
+    first.register_hook(lambda g: seen.append(g.shape))
+    for _ in range(_steps.FIRST + 4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert len(first._backward_hooks) == 1 and len(seen) == _steps.FIRST + 4
+    F.cross_entropy(model(x), y).backward()
+    assert len(seen) == _steps.FIRST + 5
+
+
+def test_a_parameter_watched_once_costs_no_later_backward_its_gradient_is_not_copied() -> None:
+    """After the looked-at steps the watched parameter's gradient is accumulated as it is without safetorch: the
+    first backward after zero_grad(set_to_none=True) hands over the incoming gradient, not a copy of it."""
+    from safetorch import _steps
+
+    def steals(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> bool:
+        first = next(model.parameters())
+        opt.zero_grad(set_to_none=True)
+        out = model(x)
+        grads: list[torch.Tensor] = []
+        first.register_post_accumulate_grad_hook(lambda p: grads.append(p.grad))
+        F.cross_entropy(out, y).backward()
+        return grads[0] is first.grad
+
+    model, opt, x, y = _setup()
+    for _ in range(_steps.FIRST + 4):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    assert next(model.parameters())._backward_hooks is None
+    assert steals(model, opt, x, y)
 
 
 # The loop shapes of the reference trainers (torchvision's classification reference, timm's train.py, cleanrl's PPO),

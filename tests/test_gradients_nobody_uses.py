@@ -87,7 +87,7 @@ def test_the_finding_is_decided_at_the_third_step_and_the_watch_leaves_nothing_b
             F.mse_loss(vgg(gen(x)), vgg(target)).backward()
             opt.step()
             assert len(got) == (step >= 3)  # watched from the 2nd backward, through the 2nd and 3rd steps
-    assert all(not p._backward_hooks for p in params)
+    assert all(p._backward_hooks is None for p in params)  # as torch leaves them: no hook runner left behind
     assert gradients_nobody_uses._state.watch is None and gradients_nobody_uses._state.step_hook is None
     assert gradients_nobody_uses._state.stale_hook is None  # taken away at the 4th backward
     opt.zero_grad()
@@ -420,6 +420,22 @@ def test_a_watched_parameter_saves_without_its_hook_and_without_a_warning() -> N
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
     assert all(not p._backward_hooks for p in loaded.parameters())
+
+
+def test_a_watch_given_up_inside_its_own_hook_leaves_the_parameters_as_torch_does() -> None:
+    """From the third step on the program resets the loss network's gradients (a look-alike: silent); the watch
+    begun at the second backward gives up at the third, from inside its tensor hook, and the hook runner goes at the
+    next backward."""
+    gen, vgg, opt, x, target = _nets()
+    with findings() as got:
+        for step in range(5):
+            opt.zero_grad()
+            if step >= 2:
+                vgg.zero_grad(set_to_none=True)
+            F.mse_loss(vgg(gen(x)), vgg(target)).backward()
+            opt.step()
+    assert got == []
+    assert all(p._backward_hooks is None for p in vgg.parameters())
 
 
 def test_uninstall_takes_every_hook_away_during_a_watch() -> None:

@@ -45,11 +45,11 @@ from typing import Any
 
 import torch
 from torch.optim import Optimizer
-from torch.utils.hooks import unserializable_hook
 
 from .. import _deferred, _steps
 from .._callsite import Spot, method_call
 from .._exceptions import SafetorchWarning
+from .._hooks import LeafHook, settle
 from .._patch import Registry
 from .._report import internal_error, report_at, user_frame
 from .._rule import Rule
@@ -137,11 +137,7 @@ def _start(optimizer: Optimizer, step: int) -> None:
             snapshot = head.clone()
             watch = _Watch(step, weakref.ref(p), weakref.ref(g), snapshot, snapshot.ne(0).any())
 
-            @unserializable_hook
-            def hook(incoming: torch.Tensor, watch: _Watch = watch) -> None:
-                _on_backward(watch, incoming)
-
-            watch.handle = p.register_hook(hook)
+            watch.handle = LeafHook(p, lambda incoming, watch=watch: _on_backward(watch, incoming))
             _watches[optimizer] = watch
             # an optimizer dropped mid-interval takes its hook with it
             watch.finalizer = weakref.finalize(optimizer, watch.stop)
@@ -184,6 +180,7 @@ def _look(optimizer: Optimizer, step: int, caller: FrameType, more: bool) -> Non
             frame = user_frame(caller) if stale is not None else None
             if frame is not None:
                 _deferred.check(stale, _decided, Spot(frame), CODE)
+        settle()
         if more:  # only when the next step is looked at too: a watch (and its hook) never outlives one step interval
             _start(optimizer, step)
     except Exception as exc:  # strict-mode findings pass through internal_error
@@ -219,11 +216,7 @@ class _ClosureWatch:
             return
         self.first = True
 
-        @unserializable_hook
-        def hook(incoming: torch.Tensor, watch: _ClosureWatch = self) -> None:
-            watch._on_backward()
-
-        self.handle = param.register_hook(hook)
+        self.handle = LeafHook(param, lambda _incoming, watch=self: watch._on_backward())
 
     def _on_backward(self) -> None:
         try:

@@ -49,12 +49,12 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.dropout import _DropoutNd
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import unserializable_hook
 
 from .. import _backward, _deferred, _steps, _visible
 from .._callsite import Spot, method_call
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
+from .._hooks import LeafHook, settle
 from .._patch import Registry
 from .._report import internal_error, report_at
 from .._rule import Rule
@@ -251,11 +251,7 @@ def _start(tensors: Any, frame: FrameType, method: str) -> None:
         if param is None:
             continue
 
-        @unserializable_hook
-        def hook(incoming: torch.Tensor, watch: _Watch = watch, chain: _Chain = chain) -> None:
-            _on_backward(watch, chain, incoming)
-
-        chain.handle = param.register_hook(hook)
+        chain.handle = LeafHook(param, lambda incoming, watch=watch, chain=chain: _on_backward(watch, chain, incoming))
     if _state.step_hook is None:
         _state.step_hook = register_optimizer_step_pre_hook(_stepped)
 
@@ -404,6 +400,7 @@ def _look(optimizer: Optimizer, look: int, caller: FrameType, more: bool) -> Non
 def _at_backward(tensors: Any) -> None:
     """The one-shot backward listener: take a stale step hook away, and begin a watch when armed."""
     try:
+        settle()  # the hooks of a watch given up from inside one of them
         stale, _state.stale_hook = _state.stale_hook, None
         if stale is not None:
             stale.remove()
