@@ -258,9 +258,10 @@ class _Guard:
                 return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
             _unguard(module, self)
             return _module_call_impl(module, *args, **kwargs)
-        if not _is_grad_enabled() or _thread.explicit:
-            if not _is_grad_enabled():
-                self.evaluated = True
+        if not _is_grad_enabled():  # an evaluation (every validation forward: one C call)
+            self.evaluated = True
+            return _module_call_impl(module, *args, **kwargs)
+        if _thread.explicit:
             return _module_call_impl(module, *args, **kwargs)
         return _eval_forward(module, self, args, kwargs)
 
