@@ -32,7 +32,8 @@ batches through it on purpose) is never judged.
 Cost: nothing on the steps not looked at; on a watched interval a few 8-element tensor operations. The decision, a
 bool on the gradient's device, is read through `safetorch._deferred`: on an accelerator it never makes the host wait
 (the finding comes at a later backward, at the step's line). A watch and its finalizer are gone once its interval
-ends: nothing kept grows with the number of steps.
+ends: nothing kept grows with the number of steps, and the watched parameter is left as torch found it
+(`safetorch._hooks.LeafHook`: an empty hook dict would make every later backward pay for torch's hook runner).
 """
 
 from __future__ import annotations

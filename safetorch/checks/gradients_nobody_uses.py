@@ -30,7 +30,9 @@ checkpoint's) is not the program's: it arms nothing.
 Cost: between looked-at steps nothing runs. A looked-at step arms a listener; the next backward walks the graph (a
 few microseconds for a small model, bounded for a large one); only when unheld parameters with gradients are reached
 does a watch start: two tensor hooks doing a few 8-element operations per backward and a step hook, for a few steps.
-Hooks go when the watch ends (and the step hook, which torch does not let a step hook remove, at the next backward).
+Hooks go when the watch ends (and the step hook, which torch does not let a step hook remove, at the next backward),
+and the parameters are left as torch found them (`safetorch._hooks.LeafHook`; a watch given up from inside its own
+hook leaves that to the next backward).
 The decision, a bool on the gradient's device, is read through `safetorch._deferred`: on an accelerator the host
 never waits for it. The module that owns the parameters, named in the message, is looked up only for a finding, among
 the modules the ``backward()`` line's frame can see (its locals and globals, and one attribute level below them: no
