@@ -47,8 +47,6 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch.nn.modules.batchnorm import _NormBase
-from torch.nn.modules.dropout import _DropoutNd
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -57,6 +55,7 @@ from .._callsite import Spot, method_call
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._hooks import LeafHook, settle
+from .._modes import train_effects
 from .._patch import Registry
 from .._report import internal_error, report_at
 from .._rule import Rule
@@ -353,13 +352,6 @@ def _owner(suspects: _Suspects) -> tuple[str, torch.nn.Module] | None:
     return None
 
 
-def _mode_dependent(module: torch.nn.Module) -> bool:
-    """A submodule in training mode whose numbers eval() would change (dropout, BatchNorm with running stats)."""
-    return any(sub.training and ((isinstance(sub, _DropoutNd) and sub.p > 0)
-                                 or (isinstance(sub, _NormBase) and sub.track_running_stats))
-               for sub in module.modules())
-
-
 def _message(suspects: _Suspects) -> str:
     spot = suspects.spot
     if suspects.method == "backward":
@@ -374,7 +366,7 @@ def _message(suspects: _Suspects) -> str:
         whose = f"{name} (a {type(module).__name__}, {what}, {suspects.numel:,} elements)"
         fix = f"{name}.requires_grad_(False)"
         mode = ""
-        if _mode_dependent(module):
+        if train_effects(module):  # its dropout/BatchNorm change its numbers in training mode
             fix += ".eval()"
             mode = " Its dropout/BatchNorm layers are in training mode too."
         trained = f"{name}.parameters()"
