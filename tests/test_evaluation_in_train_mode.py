@@ -98,6 +98,66 @@ def test_an_evaluation_left_in_training_mode_is_found_at_its_forward_with_the_sa
     assert [w.category for w in got] == [EvaluationInTrainModeWarning] and same
 
 
+_CELL = """
+for i in range(6):
+    out = model(x + i)
+    del out
+"""
+
+
+def test_an_evaluation_in_a_notebook_cell_is_found_at_the_cells_line() -> None:
+    """A cell runs as exec'd code with a made-up file name (as IPython's ``<ipython-input-…>`` cells do)."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data()
+    _train(model, opt, x, y)
+    with findings() as got:
+        exec(compile(_CELL, "<ipython-input-7-0123456789ab>", "exec"), {"model": model, "x": x})
+    assert [(w.category, w.filename, w.lineno) for w in got] == [
+        (EvaluationInTrainModeWarning, "<ipython-input-7-0123456789ab>", 3)]
+    assert str(got[0].message).startswith("ST019 model (Sequential) evaluates in training mode")
+
+
+class _Interrupt(nn.Module):
+    """Raises KeyboardInterrupt (Ctrl-C) in the forward whose number is ``at``."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return x
+
+
+def test_ctrl_c_in_an_evaluation_reaches_the_program_and_the_next_evaluation_is_still_found() -> None:
+    def program() -> list[torch.Tensor]:
+        model = _net()
+        stop = _Interrupt(at=5)  # the second forward of the evaluation below (three training forwards before)
+        wrapped = nn.Sequential(stop, model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _data()
+        _train(wrapped, opt, x, y)
+        interrupted = 0
+        try:
+            for i in range(6):
+                wrapped(x + i)
+        except KeyboardInterrupt:
+            interrupted += 1
+        stop.at = 0
+        _train(wrapped, opt, x, y)  # training resumes after the interrupted evaluation: no false finding there
+        for i in range(6):  # and the evaluation, run again to its end, is found
+            wrapped(x + i); lines.append(lineno())  # noqa: E702
+        return [*_numbers(model), torch.tensor(interrupted), torch.tensor(stop.calls)]
+
+    lines: list[int] = []
+    got, same = on_and_off(program)
+    assert same
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(EvaluationInTrainModeWarning, __file__, lines[0])]
+
+
 def test_the_message_names_the_callers_expression_and_only_the_layers_the_model_has() -> None:
     class Trainer:
         def __init__(self) -> None:
