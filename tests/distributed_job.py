@@ -1,5 +1,5 @@
-"""A 2-rank gloo job on the CPU with each distributed bug of ST016-ST018 (and ST010/ST011 in DDP loops), reproduced
-from their descriptions, and their correct versions. Run by tests/test_distributed.py under torchrun
+"""A 2-rank gloo job on the CPU with each distributed bug of ST016-ST018 (and ST010/ST011/ST019 in DDP loops),
+reproduced from their descriptions, and their correct versions. Run by tests/test_distributed.py under torchrun
 (``python -m torch.distributed.run --nproc_per_node 2 [-m safetorch] distributed_job.py OUT``) and under ``mp.spawn``
 (``python [-m safetorch] distributed_job.py OUT --spawn``), with safetorch and without it: the lines marked
 ``# expect: STxxx`` are the findings; the correct versions' weights, written to OUT by rank 0, must not depend on
@@ -130,6 +130,22 @@ def fsdp_after_optimizer() -> torch.nn.Module:
     return model
 
 
+def evaluated_in_train_mode() -> torch.nn.Module:
+    """A validation loop with neither eval() nor no_grad: each rank's BatchNorm statistics take the batches in."""
+    model = DDP(make(bn=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        x, y = data(i)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    correct = 0
+    for i in range(5):
+        x, y = data(10 + i)
+        correct += int((model(x).argmax(1) == y).sum())  # expect: ST019
+    return model
+
+
 # --- their correct versions: silent, the same weights with safetorch and without it ---------------------------------
 def correct() -> list[float]:
     """Every rank clips the same (DDP averaged) gradients; evaluation through model.module under no_grad; an EMA and
@@ -228,7 +244,8 @@ def main(spawned_rank: int | None = None, out: str = "") -> None:
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    for bug in (diverging, alternating, moved, restored, forgotten_zero_grad_with_no_sync, fsdp_after_optimizer):
+    for bug in (diverging, alternating, moved, restored, forgotten_zero_grad_with_no_sync, fsdp_after_optimizer,
+                evaluated_in_train_mode):
         model = bug()
         # Every rank has published its last fingerprints before the wrapper goes (and they are compared): the test's
         # findings do not depend on which rank finishes first. A program without it may leave its last step uncompared.
