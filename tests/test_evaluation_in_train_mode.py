@@ -58,6 +58,15 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: tor
         opt.step()
 
 
+def _stepped() -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor, torch.Tensor]:
+    """`_net()` after three training steps (an optimizer has stepped it: ST019 follows it), its optimizer and data."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data()
+    _train(model, opt, x, y)
+    return model, opt, x, y
+
+
 def _evaluation_left_in_train_mode() -> list[torch.Tensor]:
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -77,10 +86,7 @@ def _evaluation_left_in_train_mode() -> list[torch.Tensor]:
 
 
 def test_an_evaluation_left_in_training_mode_is_found_at_its_forward_with_the_same_numbers() -> None:
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    _train(model, opt, x, y)
+    model, opt, x, y = _stepped()
     tracked = int(model[1].num_batches_tracked)
     with findings() as got:
         for i in range(6):
@@ -107,10 +113,7 @@ for i in range(6):
 
 def test_an_evaluation_in_a_notebook_cell_is_found_at_the_cells_line() -> None:
     """A cell runs as exec'd code with a made-up file name (as IPython's ``<ipython-input-…>`` cells do)."""
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    _train(model, opt, x, y)
+    model, opt, x, y = _stepped()
     with findings() as got:
         exec(compile(_CELL, "<ipython-input-7-0123456789ab>", "exec"), {"model": model, "x": x})
     assert [(w.category, w.filename, w.lineno) for w in got] == [
@@ -260,10 +263,7 @@ def _training_only() -> list[torch.Tensor]:
 
 
 def _evaluation_done_right() -> list[torch.Tensor]:
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    _train(model, opt, x, y)
+    model, opt, x, y = _stepped()
     model.eval()
     with torch.no_grad():
         scores = [model(x + i).sum() for i in range(6)]
@@ -273,10 +273,7 @@ def _evaluation_done_right() -> list[torch.Tensor]:
 
 def _under_no_grad_only() -> list[torch.Tensor]:
     """No graph: what this rule looks at is the loop with neither eval() nor no_grad (documented)."""
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    _train(model, opt, x, y)
+    model, opt, x, y = _stepped()
     with torch.no_grad():
         scores = [model(x + i).sum() for i in range(6)]
     return [*_numbers(model), *scores]
@@ -386,10 +383,7 @@ def _rollout_policy_without_such_layers() -> list[torch.Tensor]:
 
 def _gradient_of_the_outputs_by_autograd_grad() -> list[torch.Tensor]:
     """Input gradients of several forwards (adversarial examples, saliency) taken with torch.autograd.grad."""
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    _train(model, opt, x, y)
+    model, opt, x, y = _stepped()
     maps = []
     for i in range(5):
         probe = (x + i).requires_grad_(True)
@@ -435,10 +429,7 @@ def test_a_look_alike_stays_silent_with_the_same_numbers(name: str) -> None:
 
 
 def test_an_eval_mode_evaluation_is_st003s_not_st019s() -> None:
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    _train(model, opt, x, y)
+    model, opt, x, y = _stepped()
     model.eval()
     with findings() as got:
         for i in range(6):
@@ -455,10 +446,7 @@ def _evaluate(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def _trained() -> tuple[nn.Module, torch.Tensor]:
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _data()
-    _train(model, opt, x, y)
+    model, _, x, _ = _stepped()
     return model, x
 
 
