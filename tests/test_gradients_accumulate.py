@@ -347,6 +347,46 @@ def test_a_closure_that_zeroes_stays_silent_with_the_same_numbers() -> None:
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 
+def test_the_closures_watched_parameter_is_left_as_torch_found_it() -> None:
+    model, _, x, y = _setup()
+    opt = torch.optim.LBFGS(model.parameters(), max_iter=4, history_size=3)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        opt.step(closure)
+    assert all(p._backward_hooks is None for p in model.parameters())
+
+
+def test_an_optimizer_dropped_mid_watch_leaves_its_parameter_to_the_next_looked_at_step() -> None:
+    """Its finalizer may run in the middle of a backward (a garbage collection): it only queues the parameter."""
+    import gc
+
+    model, opt, x, y = _setup()
+    first = next(model.parameters())
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # looked at: the first parameter is watched until this optimizer's next step
+    assert first._backward_hooks
+    del opt
+    gc.collect()
+    assert first._backward_hooks is not None and not first._backward_hooks  # the hook gone, the runner queued
+    F.cross_entropy(model(x), y).backward()
+    second = torch.optim.SGD(model.parameters(), lr=0.1)
+    second.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    second.step()  # a looked-at step puts it back (and watches the parameter again until the next one)
+    second.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    second.step()
+    for _ in range(8):
+        second.step()
+    assert first._backward_hooks is None
+
+
 def test_a_closure_called_once_per_step_that_accumulates_on_purpose_stays_silent() -> None:
     # Lightning's automatic optimisation with accumulate_grad_batches: the batches before the stepping one backward
     # outside step(), and the stepping batch's closure adds to them without zeroing (it zeroed at the first batch).

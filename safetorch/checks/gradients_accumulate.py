@@ -209,6 +209,7 @@ class _ClosureWatch:
             return self.closure()
         finally:
             self._stop()
+            settle()  # the closure has returned: no backward of it runs
             self._remember()
 
     def _arm(self) -> None:
@@ -286,3 +287,4 @@ def uninstall() -> None:
     for watch in list(_watches.values()):
         watch.stop()
     _watches.clear()
+    settle()

@@ -300,6 +300,7 @@ def _stepped(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
             _decide(watch)
         elif watch.steps >= _GIVE_UP_STEPS:
             _state.end()
+        settle()  # a step hook: no backward runs
     except Exception as exc:  # strict-mode findings pass through internal_error
         _state.end()
         internal_error(CODE, exc)
@@ -423,3 +424,4 @@ def uninstall() -> None:
     _steps.unlisten(CODE)
     _deferred.clear(CODE)
     reset()
+    settle()
