@@ -8,6 +8,7 @@ one `SafetorchConfigWarning` and is ignored; an explicit bad argument to `instal
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -215,7 +216,10 @@ PYPROJECT_ENV = "SAFETORCH_PYPROJECT"
 def find_pyproject(start: str | None = None) -> str | None:
     """The nearest ``pyproject.toml`` with a ``[tool.safetorch]`` table, from ``start`` (the program's directory,
     or the working directory) up to the file system's root, as ruff and pytest find theirs."""
-    directory = os.path.abspath(start or os.getcwd())
+    try:
+        directory = os.path.abspath(start or os.getcwd())
+    except OSError:  # the working directory was deleted
+        return None
     while True:
         candidate = os.path.join(directory, "pyproject.toml")
         if os.path.isfile(candidate) and _table(candidate) is not None:
@@ -350,7 +354,8 @@ def _starts() -> list[str]:
             directory.startswith(os.path.join(prefix, "")) for prefix in {sys.prefix, sys.exec_prefix})
         if not installed:
             starts.append(directory)
-    starts.append(os.getcwd())
+    with contextlib.suppress(OSError):  # a working directory that was deleted has no pyproject.toml
+        starts.append(os.getcwd())
     return starts
 
 
@@ -378,7 +383,14 @@ def load(environ: dict[str, str] | os._Environ[str] | None = None, start: str | 
 
 #: The working directory the program started in: the report's relative paths are relative to it, wherever the
 #: program has moved since.
-START_DIR = os.getcwd()
+def _cwd() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # started in a directory that was deleted: paths stay as the program names them
+        return os.environ.get("PWD") or os.sep
+
+
+START_DIR = _cwd()
 
 #: The configuration in force: set by `safetorch.install()`, read by the reporter.
 current = Config()

@@ -468,7 +468,8 @@ def format_summary(others: list[dict[str, Any]] | None = None) -> str:
 
 def _local_entries() -> list[dict[str, Any]]:
     return [{"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message,
-             "pids": [os.getpid()], "ranks": [] if s.rank is None else [s.rank], "first_seen": s.first_seen}
+             "pids": [os.getpid()], "ranks": [] if s.rank is None else [s.rank], "first_seen": s.first_seen,
+             "host": _run._host()}
             for s in findings()]
 
 
@@ -482,7 +483,7 @@ def document(fmt: str) -> str:
     as a ``json`` list (``[]`` when there is none), a ``sarif`` log or ``github`` workflow commands."""
     from . import _formats
 
-    raw = _run.merged() if _run.directory() is not None else _local_entries()
+    raw = _run.merged(_local_entries()) if _run.directory() is not None else _local_entries()
     return _formats.render(fmt, raw, _version())
 
 
@@ -491,10 +492,9 @@ def write_json(path: str, fmt: str = "json") -> None:
     if _run.directory() is not None:
         from . import _formats
 
-        _run.write_report(path, lambda raw: _formats.render(fmt, raw, _version()))
+        _run.write_report(path, lambda raw: _formats.render(fmt, raw, _version()), _local_entries())
         return
-    with open(path, "w", encoding="utf-8") as fh:
-        fh.write(document(fmt))
+    _run.write_file(path, document(fmt))
 
 
 #: What a check must do before the exit summary is made (report what it learnt late: ST019's graphs that died after

@@ -23,6 +23,9 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import stat
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -32,17 +35,61 @@ ENV = "SAFETORCH_RUN_DIR"
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"dir": None, "owner": True, "pid": None, "part": None}
+_said: set[str] = set()
+
+#: Flags of every file safetorch opens in a run directory: never through a symbolic link, never inherited by a child.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _say(text: str) -> None:
+    """One line on stderr, once per process: a run directory or part refused. Never raises."""
+    if text in _said:
+        return
+    _said.add(text)
+    with contextlib.suppress(Exception):
+        print(f"safetorch: {text}", file=sys.stderr, flush=True)
+
+
+def _private(path: str) -> str | None:
+    """Why ``path`` is not a directory only this user can enter (None: it is): a real directory, not a symbolic
+    link, owned by this process's user, with no permission for the group or others."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory"
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o077:
+        return f"is open to other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_dir(path: str) -> str | None:
+    """Make ``path`` (0700) or join it when it is already this user's private directory; refuse anything else with
+    one line on stderr (None)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    why = _private(path)
+    if why is None:
+        return path
+    _say(f"the run directory {path} {why}: refused, this process reports alone (its findings are kept).")
+    return None
 
 
 def _torchrun_dir() -> str | None:
+    """A torchrun job's directory: its ranks are siblings, not children, so they meet at a name made from the job.
+    The name is guessable, so it lives inside a directory of this user's that nobody else can enter
+    (``$TMPDIR/safetorch-<uid>``), made or verified first."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id is None or "RANK" not in os.environ:
         return None
     # The agent that started the ranks (their parent) tells this job from an earlier one with the same run id.
     key = "|".join((run_id, os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
                     os.environ.get("GROUP_RANK", ""), str(os.getppid())))
-    name = "safetorch-run-" + hashlib.sha1(key.encode()).hexdigest()[:16]
-    return os.path.join(tempfile.gettempdir(), name)
+    uid = os.geteuid() if hasattr(os, "geteuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"safetorch-{uid}", "job-" + hashlib.sha1(key.encode()).hexdigest()[:16])
 
 
 def start() -> None:
@@ -52,18 +99,45 @@ def start() -> None:
             return
         inherited = os.environ.get(ENV)
         torchrun = _torchrun_dir()
+        path: str | None
         try:
             if inherited:
                 path, owner = inherited, False
+                why = _private(path)
+                if why is not None:
+                    _say(f"the run directory {path} (SAFETORCH_RUN_DIR) {why}: refused, this process reports alone.")
+                    return
             elif torchrun is not None:
-                path, owner = torchrun, True
-                os.makedirs(path, exist_ok=True)
+                owner = True
+                path = _private_dir(os.path.dirname(torchrun)) and _private_dir(torchrun)
+                if path is None:
+                    return
             else:
-                path, owner = tempfile.mkdtemp(prefix="safetorch-run-"), True
+                path, owner = tempfile.mkdtemp(prefix="safetorch-run-"), True  # 0700, a name nobody can guess
             os.environ[ENV] = path
         except OSError:
             return  # no run directory: each process reports alone, as before
-        _state.update(dir=path, owner=owner, pid=os.getpid(), part=None, torchrun=torchrun is not None)
+        _state.update(dir=path, owner=owner, pid=os.getpid(), part=None, torchrun=torchrun is not None and
+                      not inherited)
+        if _state["torchrun"]:  # the count of ranks still running: the last one out removes the directory
+            fd = _open_new(f"{os.getpid()}.live")
+            if fd is not None:
+                os.close(fd)
+
+
+def _open_new(name: str, mode: int = os.O_WRONLY) -> int | None:
+    """Create ``name`` in the run directory, 0600, exclusively: a file already there (a link included) is never
+    opened; a stale file of an earlier process with this pid is removed first. The descriptor, or None."""
+    path = os.path.join(_state["dir"], name)
+    for _ in range(2):
+        try:
+            return os.open(path, mode | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+        except FileExistsError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # the directory is this user's alone: what is there is a stale file of ours
+        except OSError:
+            return None
+    return None
 
 
 def _after_fork_in_child() -> None:
@@ -90,7 +164,10 @@ def torchrun() -> bool:
 def _part() -> Any:
     part = _state["part"]
     if part is None and _state["dir"] is not None:
-        part = _state["part"] = open(os.path.join(_state["dir"], f"{os.getpid()}.jsonl"), "a", encoding="utf-8")
+        fd = _open_new(f"{os.getpid()}.jsonl", os.O_WRONLY | os.O_APPEND)
+        if fd is None:
+            return None
+        part = _state["part"] = os.fdopen(fd, "a", encoding="utf-8")
     return part
 
 
@@ -101,6 +178,15 @@ def _rank() -> int | None:
         return None
 
 
+def _host() -> str:
+    host = _state.get("host")
+    if host is None:
+        import socket
+
+        host = _state["host"] = socket.gethostname()
+    return str(host)
+
+
 def record(code: str, filename: str, lineno: int, message: str, count: int, first_seen: float | None = None) -> None:
     """Append one site of this process to its part, flushed: a first occurrence, or a final count."""
     try:
@@ -109,7 +195,7 @@ def record(code: str, filename: str, lineno: int, message: str, count: int, firs
             if part is None:
                 return
             part.write(json.dumps({"code": code, "file": filename, "line": lineno, "message": message,
-                                   "count": count, "pid": os.getpid(), "rank": _rank(),
+                                   "count": count, "pid": os.getpid(), "rank": _rank(), "host": _host(),
                                    "first_seen": first_seen}) + "\n")
             part.flush()
     except (OSError, ValueError, TypeError):
@@ -129,6 +215,52 @@ def forget() -> None:
                 os.unlink(os.path.join(_state["dir"], name))
 
 
+_CODE = re.compile(r"ST\d{3}\Z")
+
+
+def _valid(entry: Any) -> bool:
+    """Whether a line of a part is a finding as `record` writes it, field by field."""
+    def number(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    return (isinstance(entry, dict) and isinstance(entry.get("code"), str) and bool(_CODE.match(entry["code"]))
+            and isinstance(entry.get("file"), str) and number(entry.get("line")) and entry["line"] > 0
+            and isinstance(entry.get("message"), str) and entry["message"].startswith(entry["code"])
+            and number(entry.get("count")) and entry["count"] > 0 and number(entry.get("pid"))
+            and (entry.get("rank") is None or number(entry["rank"]))
+            and isinstance(entry.get("host", ""), str)
+            and (entry.get("first_seen") is None or (isinstance(entry["first_seen"], (int, float))
+                                                     and not isinstance(entry["first_seen"], bool))))
+
+
+def _read_part(path: str) -> Iterator[dict[str, Any]]:
+    """The valid lines of one part: a regular file of this user's, opened without following a link. A line cut
+    short by a kill (the last one) is skipped silently; anything else malformed is skipped with one line on stderr."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW)
+    except OSError:
+        return
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as fh:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+            _say(f"skipped {path}: not a file of this user's")
+            return
+        bad = 0
+        for line in fh:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                if line.endswith("\n"):
+                    bad += 1
+                continue  # else: cut short by a kill
+            if _valid(entry):
+                yield entry
+            else:
+                bad += 1
+        if bad:
+            _say(f"skipped {bad} malformed line(s) of {path}; the other findings are kept")
+
+
 def _lines() -> Iterator[dict[str, Any]]:
     path = _state["dir"]
     if path is None:
@@ -138,15 +270,7 @@ def _lines() -> Iterator[dict[str, Any]]:
     except OSError:
         return
     for name in names:
-        try:
-            with open(os.path.join(path, name), encoding="utf-8") as fh:
-                for line in fh:
-                    try:
-                        yield json.loads(line)
-                    except ValueError:  # a line cut short by a kill
-                        continue
-        except OSError:
-            continue
+        yield from _read_part(os.path.join(path, name))
 
 
 def claim(code: str, filename: str, lineno: int) -> bool:
@@ -157,7 +281,7 @@ def claim(code: str, filename: str, lineno: int) -> bool:
         return True
     name = hashlib.sha1(f"{code}|{filename}|{lineno}".encode()).hexdigest()[:24] + ".shown"
     try:
-        os.close(os.open(os.path.join(path, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        os.close(os.open(os.path.join(path, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600))
         _state.setdefault("claimed", []).append(name)
         return True
     except FileExistsError:
@@ -173,30 +297,40 @@ def reported_elsewhere(code: str, filename: str, lineno: int) -> bool:
                for e in _lines())
 
 
-def merged() -> list[dict[str, Any]]:
+def merged(own: list[dict[str, Any]] | None = None, remote: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every site of every process of the run: one entry per (code, file, line), with its total count and the
-    processes (pid, and rank under torchrun) that reported it."""
+    processes (pid, rank under torchrun, host) that reported it. ``own`` is this process's findings as it holds them
+    in memory: they count whatever happened to the run directory (a tmp cleaner, a full disk). ``remote`` are lines
+    of processes on other machines (`_store`)."""
+    me, host = os.getpid(), _host()
+    lines: list[dict[str, Any]] = [e for e in _lines() if own is None or e["pid"] != me or e.get("host", host) != host]
+    lines += own or []
+    lines += remote or []
     sites: dict[tuple[str, str, int], dict[str, Any]] = {}
-    counts: dict[tuple[str, str, int], dict[int, int]] = {}
-    for e in _lines():
-        key = (e.get("code"), e.get("file"), e.get("line"))
+    counts: dict[tuple[str, str, int], dict[tuple[str, int], int]] = {}
+    for e in lines:
+        key = (e["code"], e["file"], e["line"])
         entry = sites.setdefault(key, {"code": key[0], "file": key[1], "line": key[2], "count": 0,
-                                       "message": e.get("message", ""), "pids": [], "ranks": []})
-        pid = e.get("pid")
+                                       "message": e.get("message", ""), "pids": [], "ranks": [], "hosts": []})
+        where = e.get("host") or host
         per = counts.setdefault(key, {})
-        per[pid] = max(per.get(pid, 0), int(e.get("count", 1)))
-        if pid not in entry["pids"]:
-            entry["pids"].append(pid)
-        rank = e.get("rank")
-        if rank is not None and rank not in entry["ranks"]:
-            entry["ranks"].append(rank)
+        for pid in e.get("pids") or [e.get("pid")]:
+            per[(where, pid)] = max(per.get((where, pid), 0), int(e.get("count", 1)))
+            if pid not in entry["pids"]:
+                entry["pids"].append(pid)
+        for rank in e.get("ranks") or ([e["rank"]] if e.get("rank") is not None else []):
+            if rank not in entry["ranks"]:
+                entry["ranks"].append(rank)
+        if where not in entry["hosts"]:
+            entry["hosts"].append(where)
         seen = e.get("first_seen")
         if isinstance(seen, (int, float)) and (entry.get("first_seen") is None or seen < entry["first_seen"]):
             entry["first_seen"] = seen
     for key, entry in sites.items():
         entry["count"] = sum(counts[key].values())
-        entry["pids"].sort()
+        entry["pids"].sort(key=lambda p: (p is None, p or 0))
         entry["ranks"].sort()
+        entry["hosts"].sort()
         if not entry["ranks"]:
             del entry["ranks"]
     return list(sites.values())
@@ -204,13 +338,20 @@ def merged() -> list[dict[str, Any]]:
 
 @contextlib.contextmanager
 def _exclusive() -> Iterator[None]:
+    """The run's lock, held while a report is merged and written (and the last rank out removes the directory). No
+    lock when the directory is gone: the report is still written, from what is left and this process's own."""
     path = _state["dir"]
     try:
         import fcntl
     except ImportError:  # Windows: no lock, the rename still makes each write whole
         yield
         return
-    with open(os.path.join(path, ".lock"), "a") as fh:
+    try:
+        fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT | _NOFOLLOW, 0o600)
+    except (OSError, TypeError):
+        yield
+        return
+    with os.fdopen(fd) as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -218,30 +359,77 @@ def _exclusive() -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def write_report(path: str, render: Callable[[list[dict[str, Any]]], str]) -> None:
-    """Merge every part into ``path``, rendered by ``render``, atomically (a temporary file, then a rename)."""
-    directory = os.path.dirname(os.path.abspath(path))
+def write_file(path: str, text: str) -> None:
+    """Write ``text`` where the user said. A regular file (or a new name) is replaced atomically (a temporary beside
+    it, then a rename; an existing file keeps its mode); anything else — a device such as ``/dev/null``, a FIFO, a
+    shell's ``/dev/fd/N`` — is written through, never replaced; a symbolic link is followed: its target is written.
+    Raises OSError, which names the path."""
+    try:
+        st: os.stat_result | None = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        with open(path, "w", encoding="utf-8") as fh:  # a device, a FIFO, /dev/fd/N: written through
+            fh.write(text)
+        return
+    target = os.path.realpath(path)  # a link to a file (or to a name still to be made): the file is replaced
+    fd, tmp = tempfile.mkstemp(prefix=".safetorch-", suffix=".tmp", dir=os.path.dirname(target))
+    try:
+        if st is not None:
+            os.chmod(tmp, stat.S_IMODE(st.st_mode))
+        else:  # what a plain open() would have made
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_report(path: str, render: Callable[[list[dict[str, Any]]], str], own: list[dict[str, Any]] | None = None,
+                 remote: list[dict[str, Any]] | None = None) -> None:
+    """Merge every part (and ``own``, ``remote``: see `merged`) into ``path``, rendered by ``render``, under the run's
+    lock, with `write_file`."""
     with _exclusive():
-        text = render(merged())
-        fd, tmp = tempfile.mkstemp(prefix=".safetorch-", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_file(path, render(merged(own, remote)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def finish() -> None:
-    """At exit: close the part; the owner of a run that is not torchrun's removes its directory."""
+    """At exit: close the part; the owner of a run removes its directory — under torchrun, where every rank owns
+    the job's directory, the last rank out (no other rank's ``.live`` file left, or only of ranks that died)."""
     with _lock:
         part, _state["part"] = _state["part"], None
         if part is not None:
             with contextlib.suppress(OSError):
                 part.close()
-    if _state["owner"] and not _state.get("torchrun") and _state["dir"] and _state["pid"] == os.getpid():
-        import shutil
+    path = _state["dir"]
+    if not (_state["owner"] and path and _state["pid"] == os.getpid()):
+        return
+    import shutil
 
-        shutil.rmtree(_state["dir"], ignore_errors=True)
+    if not _state.get("torchrun"):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    with _exclusive():
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(path, f"{os.getpid()}.live"))
+        try:
+            others = [int(n[:-5]) for n in os.listdir(path) if n.endswith(".live") and n[:-5].isdigit()]
+        except OSError:
+            return
+        if not any(_alive(pid) for pid in others):
+            shutil.rmtree(path, ignore_errors=True)
