@@ -33,8 +33,8 @@ def _iso(seconds: float | None) -> str | None:
 
 def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each site as the JSON report has it: ``rule`` and ``name``; ``path`` as the program named its file,
-    ``abspath``; ``line``; ``count`` over every process; ``pid``/``pids`` and ``rank``/``ranks`` of the processes
-    that found it; ``first_seen`` (ISO 8601, UTC); ``message``. ``code`` and ``file`` repeat ``rule`` and
+    ``abspath``; ``line``; ``count`` over every process; ``pid``/``pids``, ``rank``/``ranks`` and ``hosts`` of the
+    processes that found it; ``first_seen`` (ISO 8601, UTC); ``message``. ``code`` and ``file`` repeat ``rule`` and
     ``path`` (the names of the report's first version)."""
     rules = _rules()
     out = []
@@ -48,7 +48,7 @@ def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "path": path, "abspath": os.path.abspath(path) if not path.startswith("<") else path,
             "line": e["line"], "count": e["count"],
             "pid": pids[0] if pids else None, "pids": pids,
-            "rank": ranks[0] if ranks else None, "ranks": ranks,
+            "rank": ranks[0] if ranks else None, "ranks": ranks, "hosts": sorted(e.get("hosts") or ()),
             "first_seen": _iso(e.get("first_seen")),
             "message": e["message"],
             "code": code, "file": path,

@@ -8,12 +8,14 @@ arguments switches checks on and off to match; the environment is read once, exp
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import sys
 import threading
 import warnings
 from collections.abc import Iterable
 from types import ModuleType, TracebackType
+from typing import Any
 
 from . import _callsite, _config, _notebook, _report, _run
 from ._exceptions import SafetorchConfigWarning, SafetorchError, SafetorchWarning
@@ -121,10 +123,39 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
                               "C extension.", SafetorchConfigWarning, stacklevel=2)
             _original_excepthook = sys.excepthook
             registry.set(sys, "excepthook", _excepthook, _CORE)
+            _follow_job()
             _notebook.install_handler(_annotate)  # IPython does not use sys.excepthook
         if not _atexit_registered:
             atexit.register(_report.exit_summary)
             _atexit_registered = True
+
+
+def _group_made(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    result = wrapped(*args, **kwargs)
+    with contextlib.suppress(Exception):
+        _run.joined_group()
+    return result
+
+
+def _group_ends(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with contextlib.suppress(Exception):
+        _run.joined_group()  # keeps the job's store past the group, and publishes what waited for it
+    return wrapped(*args, **kwargs)
+
+
+def _follow_job() -> None:
+    """A job's ranks share their findings through its c10d store (`_run`): from the process group's creation (what
+    was found before it is published then) until the program's exit, which outlives ``destroy_process_group``."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available():
+            registry.wrap(dist, "init_process_group", _group_made, _CORE)
+            registry.wrap(dist, "destroy_process_group", _group_ends, _CORE)
+            if dist.is_initialized():  # installed after the group was made
+                _run.joined_group()
+    except Exception as exc:
+        _report.internal_error("core", exc, "could not follow the job's process group")
 
 
 def _rebind_early_imports() -> None:

@@ -387,6 +387,11 @@ def found_in_run() -> int:
     return len(findings()) + len(_from_others())
 
 
+def seen_here(code: str, filename: str, lineno: int) -> bool:
+    """Whether this process has reported that site (shown or not)."""
+    return (code, filename, lineno) in _sites
+
+
 def findings() -> list[Site]:
     """Every call site reported so far, in order of first occurrence (``# safetorch: ignore``'d lines left out)."""
     return [s for s in _sites.values() if not s.suppressed]
@@ -451,15 +456,17 @@ def format_summary(others: list[dict[str, Any]] | None = None) -> str:
         processes = {pid for e in others for pid in e["pids"]} - {os.getpid()}
         head += f", {len(others)} of them from {len(processes)} other process(es) of this run"
     if ranks:
-        head += f"; {len(ranks)} more from other ranks so far (in their summaries and the JSON report)"
+        head += f"; {len(ranks)} more from other ranks of the job"
     lines = [head]
     for s in sites:  # a warning shown in full is one line here: where, how often, what
         text = first_clause(s.code, s.message) if s.warned else s.message.splitlines()[0].removeprefix(s.code).strip()
         lines.append(f"  {s.code} {s.filename}:{s.lineno} (x{s.count}): {text}")
-    for e in others:
+    for e in others + ranks:
         text = e["message"].splitlines()[0].removeprefix(e["code"]).strip()
         where = ", ".join(f"rank {r}" for r in e["ranks"]) if e.get("ranks") else \
             ", ".join(f"pid {p}" for p in e["pids"])
+        if len(e.get("hosts", ())) > 1 or (e.get("hosts") and e["hosts"] != [_run._host()]):
+            where += " on " + ", ".join(e["hosts"])
         lines.append(f"  {e['code']} {e['file']}:{e['line']} (x{e['count']}, {where}): {text}")
     if failing_exit:
         lines.append("safetorch: exit status 1 for these findings (the program itself succeeded; --exit-zero: 0)")
@@ -536,6 +543,7 @@ def exit_summary() -> None:
         for site in list(_sites.values()):  # each site's final count, for the run's report
             if not site.suppressed and site.count > 1:
                 _run.record(site.code, site.filename, site.lineno, site.message, site.count, site.first_seen)
+        _run.gather()  # a rank of a job: every other rank's findings, from the job's store
         cfg = _config.current
         if not _run.owner():  # a child or worker of the run: the process that owns it reports
             _run.finish()

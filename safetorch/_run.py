@@ -141,8 +141,9 @@ def _open_new(name: str, mode: int = os.O_WRONLY) -> int | None:
 
 
 def _after_fork_in_child() -> None:
-    """A forked child keeps the parent's patches and reports into the same run, as a process of its own."""
-    _state.update(owner=False, pid=os.getpid(), part=None, claimed=[])
+    """A forked child keeps the parent's patches and reports into the same run, as a process of its own (never
+    through the parent's connection to a job's store)."""
+    _state.update(owner=False, pid=os.getpid(), part=None, claimed=[], no_store=True, pending=[], follower=None)
 
 
 if hasattr(os, "register_at_fork"):
@@ -188,18 +189,20 @@ def _host() -> str:
 
 
 def record(code: str, filename: str, lineno: int, message: str, count: int, first_seen: float | None = None) -> None:
-    """Append one site of this process to its part, flushed: a first occurrence, or a final count."""
+    """Append one site of this process to its part, flushed: a first occurrence, or a final count; and put it into
+    the job's store when this process is a rank of a job (`gather`)."""
+    entry = {"code": code, "file": filename, "line": lineno, "message": message, "count": count,
+             "pid": os.getpid(), "rank": _rank(), "host": _host(), "first_seen": first_seen}
     try:
         with _lock:
             part = _part()
-            if part is None:
-                return
-            part.write(json.dumps({"code": code, "file": filename, "line": lineno, "message": message,
-                                   "count": count, "pid": os.getpid(), "rank": _rank(), "host": _host(),
-                                   "first_seen": first_seen}) + "\n")
-            part.flush()
+            if part is not None:
+                part.write(json.dumps(entry) + "\n")
+                part.flush()
     except (OSError, ValueError, TypeError):
         pass
+    if "torch.distributed" in sys.modules and not _state.get("no_store"):
+        _publish(entry)
 
 
 def forget() -> None:
@@ -305,7 +308,7 @@ def merged(own: list[dict[str, Any]] | None = None, remote: list[dict[str, Any]]
     me, host = os.getpid(), _host()
     lines: list[dict[str, Any]] = [e for e in _lines() if own is None or e["pid"] != me or e.get("host", host) != host]
     lines += own or []
-    lines += remote or []
+    lines += remote if remote is not None else _state.get("remote") or []
     sites: dict[tuple[str, str, int], dict[str, Any]] = {}
     counts: dict[tuple[str, str, int], dict[tuple[str, int], int]] = {}
     for e in lines:
@@ -433,3 +436,169 @@ def finish() -> None:
             return
         if not any(_alive(pid) for pid in others):
             shutil.rmtree(path, ignore_errors=True)
+
+
+# --- a job on several machines ------------------------------------------------------------------------------------
+# The ranks of a job on several machines share no directory: they share the job's c10d store (torch.distributed's,
+# which every rank reaches once the process group exists). Each rank puts the lines it writes to its part into the
+# store too, as keys of its own (``safetorch/<rank>/<n>``: a counter, then a value, the operations every store has),
+# and at its exit reads everyone's back, so that every rank's part — hence each machine's report, exit summary and
+# runner status — holds the whole job's findings. Global rank 0 reads the store every few seconds on a thread of its
+# own and prints another rank's new finding once, when it learns of it. Nothing here waits without a bound: the exit
+# waits at most ``SAFETORCH_JOB_WAIT`` seconds (default 5) for the other ranks to reach theirs.
+
+_PREFIX = "safetorch/"
+_POLL_SECONDS = 2.0
+
+
+def _job_store() -> Any:
+    """The job's store, once this process is a rank of a process group of two or more (None otherwise). Kept once
+    found, so that it outlives ``destroy_process_group``; never used by a forked child (its socket is the parent's)."""
+    if _state.get("store_pid") == os.getpid():
+        return _state.get("store")
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_available() or not dist.is_initialized() or _state.get("no_store"):
+            return None
+        from torch.distributed import distributed_c10d
+
+        store, world, rank = distributed_c10d._get_default_store(), dist.get_world_size(), dist.get_rank()
+    except Exception:
+        return None
+    if world < 2:
+        return None
+    _state.update(store=store, store_pid=os.getpid(), world=world, grank=rank, published=0)
+    return store
+
+
+def _publish(entry: dict[str, Any] | None) -> None:
+    """Put ``entry`` (and what waited for the group to exist) into the job's store; keep it for later without one."""
+    pending = _state.setdefault("pending", [])
+    if entry is not None:
+        pending.append(entry)
+    store = _job_store()
+    if store is None or not pending:
+        return
+    try:
+        rank = _state["grank"]
+        while pending:
+            n = store.add(f"{_PREFIX}{rank}/n", 1)
+            store.set(f"{_PREFIX}{rank}/{n}", json.dumps(pending[0]))
+            pending.pop(0)
+            store.add(f"{_PREFIX}total", 1)
+    except Exception:
+        _state["no_store"] = True  # a store that went away: this process reports alone from now on
+
+
+def joined_group() -> None:
+    """After ``init_process_group``: publish what was found before it; global rank 0 starts following the job."""
+    _publish(None)
+    if _job_store() is not None and _state.get("grank") == 0 and not _state.get("follower"):
+        thread = threading.Thread(target=_follow, name="safetorch-job", daemon=True)
+        _state["follower"] = thread
+        thread.start()
+
+
+def _remote_lines(store: Any, seen: dict[int, int]) -> list[dict[str, Any]]:
+    """The lines other ranks put into the store since ``seen`` (per rank: how many were read), validated."""
+    out = []
+    for rank in range(_state["world"]):
+        if rank == _state["grank"]:
+            continue
+        n = store.add(f"{_PREFIX}{rank}/n", 0)
+        for i in range(seen.get(rank, 0) + 1, n + 1):
+            try:
+                entry = json.loads(store.get(f"{_PREFIX}{rank}/{i}"))
+            except ValueError:
+                entry = None
+            if _valid(entry):
+                out.append(entry)
+            else:
+                _say(f"skipped a malformed finding of rank {rank} in the job's store")
+        seen[rank] = max(seen.get(rank, 0), n)
+    return out
+
+
+def _follow() -> None:
+    """Global rank 0's thread: every few seconds, one read of the job's counter; another rank's new site is printed
+    once (a site this rank reported itself is printed by it already)."""
+    import time
+
+    seen: dict[int, int] = {}
+    total = 0
+    store = _state["store"]
+    while not _state.get("closing"):
+        time.sleep(_POLL_SECONDS)
+        if _state.get("closing"):
+            return
+        try:
+            now = store.add(f"{_PREFIX}total", 0)
+            if now == total:
+                continue
+            total = now
+            for entry in _remote_lines(store, seen):
+                _announce(entry)
+        except Exception:
+            return  # the store went away: the job is ending
+
+
+def _announce(entry: dict[str, Any]) -> None:
+    key = (entry["code"], entry["file"], entry["line"])
+    shown = _state.setdefault("announced", set())
+    if key in shown:
+        return
+    shown.add(key)
+    from . import _report
+
+    if _report.seen_here(*key):
+        return
+    from ._rules import RULES
+
+    rule = RULES.get(entry["code"])
+    if rule is None or rule.per_rank:  # a per-rank finding (a NaN of one rank's data) is printed by its rank
+        return
+    category = rule.category.__name__
+    where = f"rank {entry['rank']}" if entry.get("rank") is not None else f"pid {entry['pid']}"
+    with contextlib.suppress(Exception):
+        print(f"{entry['file']}:{entry['line']}: {category}: {entry['message']} ({where} on {entry.get('host', '?')})",
+              file=sys.stderr, flush=True)
+
+
+def gather() -> None:
+    """At exit, in every rank of a job: publish what is left, wait (bounded) for the other ranks to reach their exit,
+    then write the other ranks' lines into this process's part, for its machine's report and runner."""
+    _state["closing"] = True
+    store = _job_store()
+    if store is None:
+        return
+    import time
+
+    try:
+        from datetime import timedelta
+
+        store.set_timeout(timedelta(seconds=10))  # the job is over: no store operation may hold the exit longer
+    except Exception:
+        pass
+    _publish(None)
+    try:
+        arrived = store.add(f"{_PREFIX}exited", 1)
+        try:
+            wait = float(os.environ.get("SAFETORCH_JOB_WAIT", "5"))
+        except ValueError:
+            wait = 5.0
+        deadline = time.monotonic() + wait
+        while arrived < _state["world"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = store.add(f"{_PREFIX}exited", 0)
+        remote = _remote_lines(store, {})
+    except Exception:
+        return
+    _state["remote"] = remote
+    with _lock:
+        part = _part()
+        if part is None:
+            return
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            for entry in remote:
+                part.write(json.dumps(entry) + "\n")
+            part.flush()
