@@ -449,6 +449,7 @@ def finish() -> None:
 
 _PREFIX = "safetorch/"
 _POLL_SECONDS = 2.0
+_store_lock = threading.Lock()
 
 
 def _job_store() -> Any:
@@ -479,6 +480,11 @@ def _publish(entry: dict[str, Any] | None) -> None:
     store = _job_store()
     if store is None or not pending:
         return
+    with _store_lock:
+        _put(store, pending)
+
+
+def _put(store: Any, pending: list[dict[str, Any]]) -> None:
     try:
         rank = _state["grank"]
         while pending:
