@@ -198,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         _config.current = dataclasses.replace(_config.current, report=_config.parse_report(ns.report))
     if ns.format is not None:
         _config.current = dataclasses.replace(_config.current, format=ns.format)
+    trace = os.environ.pop("SAFETORCH_FIX_TRACE", None)  # `safetorch fix`'s run: what ran, for the fixes' width
+    if trace:
+        from safetorch import _fixtrace
+
+        _fixtrace.start(trace)
     try:
         status = _launch.run(module, args)
     except SystemExit as exc:

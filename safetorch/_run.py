@@ -101,7 +101,8 @@ def _rank() -> int | None:
         return None
 
 
-def record(code: str, filename: str, lineno: int, message: str, count: int, first_seen: float | None = None) -> None:
+def record(code: str, filename: str, lineno: int, message: str, count: int, first_seen: float | None = None,
+           span: tuple[int, int, int, int] | None = None, source: str | None = None) -> None:
     """Append one site of this process to its part, flushed: a first occurrence, or a final count."""
     try:
         with _lock:
@@ -110,7 +111,7 @@ def record(code: str, filename: str, lineno: int, message: str, count: int, firs
                 return
             part.write(json.dumps({"code": code, "file": filename, "line": lineno, "message": message,
                                    "count": count, "pid": os.getpid(), "rank": _rank(),
-                                   "first_seen": first_seen}) + "\n")
+                                   "first_seen": first_seen, "span": span, "source": source}) + "\n")
             part.flush()
     except (OSError, ValueError, TypeError):
         pass
@@ -193,6 +194,8 @@ def merged() -> list[dict[str, Any]]:
         seen = e.get("first_seen")
         if isinstance(seen, (int, float)) and (entry.get("first_seen") is None or seen < entry["first_seen"]):
             entry["first_seen"] = seen
+        if entry.get("span") is None and e.get("span") is not None:
+            entry["span"], entry["source"] = e.get("span"), e.get("source")
     for key, entry in sites.items():
         entry["count"] = sum(counts[key].values())
         entry["pids"].sort()

@@ -90,6 +90,7 @@ class _Watch:
     module_globals: dict[str, Any]
     message: str
     backwards: int = 0
+    at: tuple[Any, int] | None = None  # the accumulation's code object and instruction (the finding's expression)
 
 
 _watches: dict[tuple[str, int], _Watch] = {}
@@ -133,7 +134,8 @@ def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
     key = (frame.f_code.co_filename, frame.f_lineno)
     known = _watches.get(key)
     if isinstance(result, torch.Tensor) and (known is None or known.result() is None):
-        _watches[key] = _Watch(weakref.ref(result), key[0], key[1], frame.f_globals, _message(frame, value))
+        _watches[key] = _Watch(weakref.ref(result), key[0], key[1], frame.f_globals, _message(frame, value),
+                               at=(frame.f_code, frame.f_lasti))
 
 
 def _before_backward(tensors: Any) -> None:
@@ -151,7 +153,7 @@ def _before_backward(tensors: Any) -> None:
                 watch.backwards += 1
                 if watch.backwards >= 2:  # it has outlived a whole step: it accumulates across steps
                     del _watches[key]
-                    report_at(CODE, watch.filename, watch.lineno, watch.module_globals, watch.message)
+                    report_at(CODE, watch.filename, watch.lineno, watch.module_globals, watch.message, watch.at)
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
