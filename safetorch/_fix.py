@@ -90,6 +90,8 @@ class Edit:
     make: Callable[[Any], Any] = dataclasses.field(repr=False)
     #: The node's type and position: how the node is found again in another parse of the same text.
     key: tuple[type, int, int, int, int] = dataclasses.field(repr=False, default=(object, 0, 0, 0, 0))
+    #: The lines it puts under ``with torch.no_grad():`` (ST003, ST005), if it does.
+    wraps: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -216,7 +218,23 @@ def plan(findings: Iterable[Finding], facts: _fixtrace.Facts | None = None, sinc
                 if (edit.key, edit.what) not in taken:  # two findings, one fix (a loop of two evaluations)
                     taken.add((edit.key, edit.what))
                     result.edits.append(edit)
+    _one_no_grad(result)
     return result
+
+
+def _one_no_grad(result: Plan) -> None:
+    """A ``no_grad`` block inside another one of the same patch (ST005's uses inside ST003's evaluation loop) is
+    not written: the outer one holds it."""
+    wraps = [e for e in result.edits if e.wraps is not None]
+    for inner in wraps:
+        outer = next((o for o in wraps if o is not inner and o.path == inner.path and o in result.edits
+                      and o.wraps[0] <= inner.wraps[0] and inner.wraps[1] <= o.wraps[1]), None)  # type: ignore[index]
+        if outer is None:
+            continue
+        result.edits.remove(inner)
+        if not any(e.finding == inner.finding for e in result.edits):
+            result.skips.append(Skip(inner.finding, f"already under the `with torch.no_grad():` that the fix of "
+                                                    f"{outer.finding.code} at line {outer.finding.line} writes"))
 
 
 def _stale(tree: _Tree, f: Finding, read: _fixio.Source, since: float | None) -> str | None:
@@ -584,7 +602,9 @@ def _fix_st003(tree: _Tree, f: Finding) -> Edit | str:
         return cst.With(items=[cst.WithItem(item=cst.parse_expression("torch.no_grad()"))],
                         body=cst.IndentedBlock(body=[inner]), leading_lines=node.leading_lines)
 
-    return tree.edit(f, target, what, make)
+    edit = tree.edit(f, target, what, make)
+    edit.wraps = tree.span(target)
+    return edit
 
 
 def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
@@ -668,8 +688,10 @@ def _fix_st005(tree: _Tree, f: Finding) -> list[Edit] | str:
         return node.with_changes(body=[*body[:first], with_, *body[last + 1:]])
 
     lines = f"line {start}" if start == end else f"lines {start}-{end}"
-    return [tree.edit(f, call, "volatile= dropped", drop),
-            tree.edit(f, block, f"its uses ({lines}) under `with torch.no_grad():`", wrap)]
+    edits = [tree.edit(f, call, "volatile= dropped", drop),
+             tree.edit(f, block, f"its uses ({lines}) under `with torch.no_grad():`", wrap)]
+    edits[1].wraps = (start, end)
+    return edits
 
 
 def _volatile_uses(tree: _Tree, stmt: Any) -> tuple[Any, int, int] | str:
@@ -1127,7 +1149,6 @@ def main(argv: Sequence[str], prog: str = "python -m safetorch") -> int:
             _say(f"safetorch fix: the program failed (exit status {result.status}); the fixes are for what it found "
                  f"before")
         found, facts, since = result.findings, result.facts, result.started
-    first = found
     fixed: list[Edit] = []
     skips: dict[tuple[Finding, str], Skip] = {}
     diffs: list[str] = []
@@ -1153,6 +1174,8 @@ def main(argv: Sequence[str], prog: str = "python -m safetorch") -> int:
                 _say(f"safetorch fix: nothing was written: {_shown(exc.path, cwd)}: {exc.why}")
                 for path in changes:
                     _say(f"unchanged: {_shown(path, cwd)}")
+                for e in edits:
+                    _say(f"not written: {_where(e.path, e.finding.line, cwd)}: {e.finding.code} {e.what}")
                 status = 1
                 break
             for path in changes:
@@ -1166,14 +1189,14 @@ def main(argv: Sequence[str], prog: str = "python -m safetorch") -> int:
     if not ns.write and any(diffs):
         sys.stdout.write("".join(diffs))
         sys.stdout.flush()
-    _summary(fixed, skips, first, facts if ns.report is None else None, ns.write and status == 0, verify_, cwd)
+    _summary(fixed, skips, found, facts, ns.write, verify_, cwd, quiet=bool(status))
     if status:
         return status
     return 1 if ns.check and fixed and not ns.write else 0
 
 
 def _summary(fixed: list[Edit], skips: dict[tuple[Finding, str], Skip], found: list[Finding],
-             facts: _fixtrace.Facts | None, written: bool, verified: bool, cwd: str) -> None:
+             facts: _fixtrace.Facts | None, written: bool, verified: bool, cwd: str, quiet: bool = False) -> None:
     """What was fixed, what was not and why: skipped fixes, the findings no fix exists for, and what the run never
     reached (the fixable patterns on lines of its files that never ran)."""
     for e in fixed:
@@ -1189,7 +1212,7 @@ def _summary(fixed: list[Edit], skips: dict[tuple[Finding, str], Skip], found: l
     for path, line, code, text in _never_ran(facts):
         _say(f"not fixed: never ran: {_where(path, line, cwd)}: {code}? `{text}` (the run never reached this line: "
              f"run what reaches it to know)")
-    if not fixed:
+    if not fixed and not quiet:
         _say("safetorch fix: nothing to fix")
 
 

@@ -70,9 +70,9 @@ def write_all(changes: dict[str, tuple[Source, str]]) -> list[str]:
                                        f"({exc.reason})") from None
             if digest(path) != source.digest:
                 raise WriteError(path, "the file changed since the run read it")
-            if not os.access(path, os.W_OK):
-                raise WriteError(path, "the file is not writable")
             mode = stat.S_IMODE(os.stat(path).st_mode)
+            if not os.access(path, os.W_OK) or not mode & 0o222:  # read-only, even to a user who could override it
+                raise WriteError(path, f"the file is not writable (mode {mode:04o})")
             try:
                 fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".safetorch-fix",
                                             dir=os.path.dirname(os.path.abspath(path)))

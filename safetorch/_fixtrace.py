@@ -16,15 +16,17 @@ Design rules:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import sys
 import sysconfig
 import threading
+from collections.abc import Iterator
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["ENV", "Facts", "read", "start"]
+__all__ = ["ENV", "Facts", "read", "recording", "start"]
 
 ENV = "SAFETORCH_FIX_TRACE"
 
@@ -115,6 +117,27 @@ def start(path: str) -> None:
     atexit.register(write)
     threading.settrace(_global)
     sys.settrace(_global)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Facts]:
+    """Record what runs in this thread inside the block, as `start` does for a whole process (the facts are filled
+    in when the block ends)."""
+    global _EXCLUDED
+    _EXCLUDED = _excluded_roots()
+    _lines.clear()
+    _backwards.clear()
+    facts = Facts({}, [])
+    previous = sys.gettrace()
+    sys.settrace(_global)
+    try:
+        yield facts
+    finally:
+        sys.settrace(previous)
+        facts.lines = {f: set(n) for f, n in _lines.items()}
+        facts.backwards = list(_backwards)
+        _lines.clear()
+        _backwards.clear()
 
 
 class Facts:
