@@ -31,7 +31,7 @@ exit status: the program's own when it fails; otherwise 1 when anything was foun
 _USAGE = """\
 %(prog)s [options] [--] script.py [args ...]
        %(prog)s [options] -m module [args ...]
-       %(prog)s fix [--write] [--check] [--verify] [--from REPORT.json] [script.py [args ...]]
+       %(prog)s fix [--write [--no-verify]] [--check] [--verify] [--from REPORT.json] [script.py [args ...]]
        %(prog)s rules | explain CODE | --version"""
 
 

@@ -1,20 +1,28 @@
 """``safetorch fix``: turn what a run found into a reviewed patch.
 
-``python -m safetorch fix [--write] [--check] [--verify] [--from REPORT.json] [--] script.py [args…]`` runs the
-program as the runner does (or reads a JSON report), then prints a unified diff of the fixes for the findings that
-have a mechanical one. Static fixers can only guess what a line does; here the run has seen it: that ``x.cuda()`` at
-that line was discarded, that the model called there was evaluated with nothing using its graph, that
+``python -m safetorch fix [--write [--no-verify]] [--check] [--verify] [--from REPORT.json] [--] script.py [args…]``
+runs the program as the runner does (or reads a JSON report), then prints a unified diff of the fixes for the findings
+that have a mechanical one. Static fixers can only guess what a line does; here the run has seen it: that
+``x.cuda()`` at that line was discarded, that the model called there was evaluated with nothing using its graph, that
 ``size_average=False`` meant ``reduction='sum'``. The rewrite keeps everything else of the file byte for byte: it is
 made on a concrete syntax tree (libcst, the optional extra ``safetorch[fix]``), and only the nodes a fix names change.
 
 Design rules:
-- A fix is made only where the finding and the source together make it certain; anything else is *skipped*, with
-  the reason, and listed: the receiver of a discarded conversion is not a name or an attribute, the probabilities
-  reach the loss through a variable, a legacy argument is given by position, ...
-- Facts come from the finding: its rule, file, line and message (the message is the rule's, stable and tested: the
-  reduction ST002 computed, the prefix ST014 found, the lines ST015 recorded). A fix never runs the user's code.
+- A fix never writes a program that is broken or does something else. It is made only where the finding and the
+  source together make it certain; anything else is *skipped*, with the reason, and listed.
+- Rewrite by position, not by text: a finding carries its expression's span (line and columns, from the bytecode
+  positions, 3.11+) and source text; the fix rewrites that node or nothing, and only if the file still holds that
+  text there (a report read later, a file edited since). Without a span (3.10, an older report) a line's only
+  candidate is taken, and a line of several is skipped.
+- A fix is only as wide as what the run proved (`safetorch._fixtrace`: the lines that ran, and the program's frames
+  at each backward): ST003's ``no_grad`` takes a loop only where no backward ran from any of its lines, ST005's
+  takes the uses of the volatile input only then. A report carries no such record: only the statement.
+- Facts come from the finding: its rule, place and message (the message is the rule's, stable and tested: the
+  reduction ST002 computed, the receiver ST001 found assignable, the prefix ST014 found). A fix never runs the
+  user's code; ``--verify`` (the default of ``--write``) runs the patched copy.
 - The fixes of one file are applied in one pass over the original tree (nested fixes compose: a conversion fixed
   inside a loop that is wrapped in ``torch.no_grad()``), so that their positions never shift under each other.
+- Files are read and written as Python decodes them, all or none (`safetorch._fixio`).
 - ``--verify`` applies the patch to a copy of the script's directory, runs it again and keeps only the fixes whose
   findings are gone from the run that still succeeds (when the run with every fix fails, each is tried alone).
 """
@@ -41,11 +49,11 @@ __all__ = ["Edit", "Plan", "Skip", "fixable", "main", "plan"]
 
 #: The rules ``fix`` handles, and what it writes.
 FIXABLE: dict[str, str] = {
-    "ST001": "x.cuda() -> x = x.cuda() (the receiver a name or an attribute)",
+    "ST001": "x.cuda() -> x = x.cuda() (a receiver that takes the assignment: not a parameter, a property)",
     "ST002": "size_average=/reduce= -> the equivalent reduction=",
-    "ST003": "the evaluation under `with torch.no_grad():` (its loop, or the statement)",
+    "ST003": "the evaluation under `with torch.no_grad():` (its loop where the run saw no backward in it)",
     "ST004": "total += loss -> total += loss.item()",
-    "ST005": "Variable(x, volatile=True) -> Variable(x)",
+    "ST005": "Variable(x, volatile=True) -> Variable(x), its uses under `with torch.no_grad():`",
     "ST009": "the softmax's input passed to the loss (log_softmax for nll_loss)",
     "ST013": "F.dropout(x, p) -> F.dropout(x, p, training=self.training)",
     "ST014": "the prefix the finding names stripped from the checkpoint's keys",
