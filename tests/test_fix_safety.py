@@ -477,3 +477,21 @@ def test_the_corpus_takes_every_fixable_rule_and_the_pages_mark_their_bad_lines(
     assert sorted(PAGES) == sorted(_fix.FIXABLE)
     program = _corpus_program("ST003")
     assert "    score = model(x)          # ST003" in program and "with torch.no_grad()" not in program
+
+
+def test_without_positions_the_st004_message_names_the_lines_only_accumulation_or_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.10 reads no expression from the bytecode: the line's only accumulation is named, and a line of two
+    names none (no guessed `total += loss` for `n += 1; total += loss`)."""
+    import torch
+
+    from safetorch.checks import graph_accumulation
+
+    monkeypatch.setattr(graph_accumulation, "call_source", lambda frame: None)
+    loss = torch.ones(2, requires_grad=True).sum()
+    n, total, frame = 0, 0.0, sys._getframe()
+    n = 1; total += n; one = graph_accumulation._message(frame, loss)  # noqa: E702
+    n += 1; total += n; two = graph_accumulation._message(frame, loss)  # noqa: E702
+    assert one.startswith("ST004 total += n adds a tensor") and one.endswith("Write: total += n.item()")
+    assert two.startswith("ST004 an accumulation at this line adds") and "total" not in two
+    assert (n, total) == (2, 3.0)
