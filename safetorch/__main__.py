@@ -31,7 +31,7 @@ exit status: the program's own when it fails; otherwise 1 when anything was foun
 _USAGE = """\
 %(prog)s [options] [--] script.py [args ...]
        %(prog)s [options] -m module [args ...]
-       %(prog)s fix [--write] [--check] [--verify] [--from REPORT.json] [script.py [args ...]]
+       %(prog)s fix [--write [--no-verify]] [--check] [--verify] [--from REPORT.json] [script.py [args ...]]
        %(prog)s rules | explain CODE | --version"""
 
 
@@ -198,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         _config.current = dataclasses.replace(_config.current, report=_config.parse_report(ns.report))
     if ns.format is not None:
         _config.current = dataclasses.replace(_config.current, format=ns.format)
+    trace = os.environ.pop("SAFETORCH_FIX_TRACE", None)  # `safetorch fix`'s run: what ran, for the fixes' width
+    if trace:
+        from safetorch import _fixtrace
+
+        _fixtrace.start(trace)
     try:
         status = _launch.run(module, args)
     except SystemExit as exc:

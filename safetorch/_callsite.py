@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import bisect
 import dis
+import inspect
 import io
 import keyword
 import linecache
@@ -28,7 +29,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 __all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded",
-           "frame_locals", "method_call", "normalized", "quoted_call", "source_line", "trim"]
+           "frame_locals", "method_call", "normalized", "quoted_call", "source_line", "span", "span_source", "trim"]
 
 _SNAPSHOT = sys.version_info < (3, 13)
 
@@ -236,27 +237,41 @@ def getline(filename: str, lineno: int, module_globals: dict[str, Any] | None = 
         return linecache.getline(filename, lineno)
 
 
-def call_source(frame: FrameType) -> str | None:
-    """The source text of the expression the frame is evaluating at ``f_lasti`` (3.11+), else None."""
-    code = frame.f_code
+def span(code: CodeType, lasti: int) -> tuple[int, int, int, int] | None:
+    """(line, column, end line, end column) of the expression the instruction at ``lasti`` evaluates, as Python's
+    ``ast`` counts them (lines from 1, columns from 0 in UTF-8 bytes), from the bytecode's positions (3.11+); None
+    before 3.11, where code objects have none, or for an instruction without a position."""
     if sys.version_info < (3, 11):
         return None
-    positions = list(code.co_positions())
-    index = frame.f_lasti // 2
-    if index >= len(positions):
-        return None
-    line, end_line, col, end_col = positions[index]
-    if line is None or end_line is None or col is None or end_col is None:
-        return None
-    lines = [getline(code.co_filename, n, frame.f_globals) for n in range(line, end_line + 1)]
+    index = lasti // 2
+    for i, position in enumerate(code.co_positions()):
+        if i == index:
+            line, end_line, col, end_col = position
+            if line is None or end_line is None or col is None or end_col is None:
+                return None
+            return line, col, end_line, end_col
+    return None
+
+
+def span_source(filename: str, where: tuple[int, int, int, int], module_globals: dict[str, Any] | None = None
+                ) -> str | None:
+    """The source text of a `span` in a file (its lines as Python decodes them), or None when it cannot be read."""
+    line, col, end_line, end_col = where
+    lines = [getline(filename, n, module_globals) for n in range(line, end_line + 1)]
     if not lines or not all(lines):
         return None
-    # Column offsets are in UTF-8 bytes.
-    encoded = [ln.encode() for ln in lines]
+    encoded = [ln.encode() for ln in lines]  # columns are in UTF-8 bytes
     if len(encoded) == 1:
         return encoded[0][col:end_col].decode(errors="replace")
     parts = [encoded[0][col:], *encoded[1:-1], encoded[-1][:end_col]]
     return b"".join(parts).decode(errors="replace")
+
+
+def call_source(frame: FrameType) -> str | None:
+    """The source text of the expression the frame is evaluating at ``f_lasti`` (3.11+), else None."""
+    code = frame.f_code
+    where = span(code, frame.f_lasti)
+    return span_source(code.co_filename, where, frame.f_globals) if where is not None else None
 
 
 def quoted_call(frame: FrameType, fallback: str, limit: int = 100) -> str:
@@ -447,11 +462,13 @@ def _assignable(frame: FrameType, node: ast.AST) -> bool:
     """Can ``<node> = <node>.float()`` be written in place of a discarded ``<node>.float()``?
 
     A name can; so can an attribute of a name or of such a chain (``self.x``, ``out.logits``), unless its object is
-    a tensor (``x.T``, ``p.grad``: no variable of the program), and an item, by constant or name key, of a dict or
-    list the frame holds (``batch["img"]``, ``outputs[0]``, ``xs[i]``): an item of a tensor (``t[0]``) is a view,
-    and assigning to it would copy the result back into the tensor's own dtype and device; a tuple takes no item
-    assignment. The objects are read from the frame (its variables, ``getattr``, a dict's or list's items), once per
-    message; an attribute whose object cannot be read is taken as assignable, an item never is.
+    a tensor (``x.T``, ``p.grad``: no variable of the program), it is a module's parameter (``lin.weight``: a module
+    takes no plain tensor in its place) or a property of its class (which computes it, or refuses the assignment),
+    and an item, by constant or name key, of a dict or list the frame holds (``batch["img"]``, ``outputs[0]``,
+    ``xs[i]``): an item of a tensor (``t[0]``) is a view, and assigning to it would copy the result back into the
+    tensor's own dtype and device; a tuple takes no item assignment. The objects are read from the frame (its
+    variables, ``getattr``, a dict's or list's items), once per message; an attribute whose object cannot be read is
+    taken as assignable, an item never is.
     """
     if isinstance(node, ast.Name):
         return True
@@ -460,7 +477,11 @@ def _assignable(frame: FrameType, node: ast.AST) -> bool:
             return False  # `make().x`: nothing of the program's holds the call's result
         owner = _value(frame, node.value)
         torch = sys.modules.get("torch")
-        return owner is _UNKNOWN or torch is None or not isinstance(owner, torch.Tensor)
+        if owner is _UNKNOWN or torch is None:
+            return True
+        if isinstance(owner, torch.Tensor) or isinstance(_value(frame, node), torch.nn.Parameter):
+            return False  # `lin.weight = lin.weight.double()`: a module takes no tensor in a parameter's place
+        return not isinstance(inspect.getattr_static(type(owner), node.attr, None), property)  # no setter, or code
     if isinstance(node, ast.Subscript):
         if not (_chain(node.value) and _key(frame, node.slice) is not _UNKNOWN):
             return False

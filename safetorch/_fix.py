@@ -1,20 +1,28 @@
 """``safetorch fix``: turn what a run found into a reviewed patch.
 
-``python -m safetorch fix [--write] [--check] [--verify] [--from REPORT.json] [--] script.py [args…]`` runs the
-program as the runner does (or reads a JSON report), then prints a unified diff of the fixes for the findings that
-have a mechanical one. Static fixers can only guess what a line does; here the run has seen it: that ``x.cuda()`` at
-that line was discarded, that the model called there was evaluated with nothing using its graph, that
+``python -m safetorch fix [--write [--no-verify]] [--check] [--verify] [--from REPORT.json] [--] script.py [args…]``
+runs the program as the runner does (or reads a JSON report), then prints a unified diff of the fixes for the findings
+that have a mechanical one. Static fixers can only guess what a line does; here the run has seen it: that
+``x.cuda()`` at that line was discarded, that the model called there was evaluated with nothing using its graph, that
 ``size_average=False`` meant ``reduction='sum'``. The rewrite keeps everything else of the file byte for byte: it is
 made on a concrete syntax tree (libcst, the optional extra ``safetorch[fix]``), and only the nodes a fix names change.
 
 Design rules:
-- A fix is made only where the finding and the source together make it certain; anything else is *skipped*, with
-  the reason, and listed: the receiver of a discarded conversion is not a name or an attribute, the probabilities
-  reach the loss through a variable, a legacy argument is given by position, ...
-- Facts come from the finding: its rule, file, line and message (the message is the rule's, stable and tested: the
-  reduction ST002 computed, the prefix ST014 found, the lines ST015 recorded). A fix never runs the user's code.
+- A fix never writes a program that is broken or does something else. It is made only where the finding and the
+  source together make it certain; anything else is *skipped*, with the reason, and listed.
+- Rewrite by position, not by text: a finding carries its expression's span (line and columns, from the bytecode
+  positions, 3.11+) and source text; the fix rewrites that node or nothing, and only if the file still holds that
+  text there (a report read later, a file edited since). Without a span (3.10, an older report) a line's only
+  candidate is taken, and a line of several is skipped.
+- A fix is only as wide as what the run proved (`safetorch._fixtrace`: the lines that ran, and the program's frames
+  at each backward): ST003's ``no_grad`` takes a loop only where no backward ran from any of its lines, ST005's
+  takes the uses of the volatile input only then. A report carries no such record: only the statement.
+- Facts come from the finding: its rule, place and message (the message is the rule's, stable and tested: the
+  reduction ST002 computed, the receiver ST001 found assignable, the prefix ST014 found). A fix never runs the
+  user's code; ``--verify`` (the default of ``--write``) runs the patched copy.
 - The fixes of one file are applied in one pass over the original tree (nested fixes compose: a conversion fixed
   inside a loop that is wrapped in ``torch.no_grad()``), so that their positions never shift under each other.
+- Files are read and written as Python decodes them, all or none (`safetorch._fixio`).
 - ``--verify`` applies the patch to a copy of the script's directory, runs it again and keeps only the fixes whose
   findings are gone from the run that still succeeds (when the run with every fix fails, each is tried alone).
 """
@@ -31,18 +39,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from . import _fixio, _fixtrace
 
 __all__ = ["Edit", "Plan", "Skip", "fixable", "main", "plan"]
 
 #: The rules ``fix`` handles, and what it writes.
 FIXABLE: dict[str, str] = {
-    "ST001": "x.cuda() -> x = x.cuda() (the receiver a name or an attribute)",
+    "ST001": "x.cuda() -> x = x.cuda() (a receiver that takes the assignment: not a parameter, a property)",
     "ST002": "size_average=/reduce= -> the equivalent reduction=",
-    "ST003": "the evaluation under `with torch.no_grad():` (its loop, or the statement)",
+    "ST003": "the evaluation under `with torch.no_grad():` (its loop where the run saw no backward in it)",
     "ST004": "total += loss -> total += loss.item()",
-    "ST005": "Variable(x, volatile=True) -> Variable(x)",
+    "ST005": "Variable(x, volatile=True) -> Variable(x), its uses under `with torch.no_grad():`",
     "ST009": "the softmax's input passed to the loss (log_softmax for nll_loss)",
     "ST013": "F.dropout(x, p) -> F.dropout(x, p, training=self.training)",
     "ST014": "the prefix the finding names stripped from the checkpoint's keys",
@@ -51,7 +62,7 @@ FIXABLE: dict[str, str] = {
 
 INSTALL_HINT = "safetorch fix needs libcst: pip install 'safetorch[fix]' (or pip install libcst)"
 
-#: Calls inside which a loop or a function trains (then it is not wrapped in no_grad).
+#: Calls that read as training: a veto for lines the run never reached (what may train there), never a proof.
 _TRAINING_CALLS = re.compile(r"\.backward\(|\.step\(|zero_grad\(|autograd\.grad\(|autograd\.backward\(")
 _DROPOUTS = frozenset({"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"})
 
@@ -66,6 +77,12 @@ class Finding:
     path: str  # absolute
     line: int
     message: str
+    #: The expression the finding is about, (line, column, end line, end column) as ``ast`` counts them (columns in
+    #: UTF-8 bytes), and its source text as the run read it; None when the report has none (Python 3.10).
+    span: tuple[int, int, int, int] | None = None
+    source: str | None = None
+    #: When the run first found it (seconds since the epoch), if the report says.
+    seen: float | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +98,8 @@ class Edit:
     make: Callable[[Any], Any] = dataclasses.field(repr=False)
     #: The node's type and position: how the node is found again in another parse of the same text.
     key: tuple[type, int, int, int, int] = dataclasses.field(repr=False, default=(object, 0, 0, 0, 0))
+    #: The lines it puts under ``with torch.no_grad():`` (ST003, ST005), if it does.
+    wraps: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -94,6 +113,7 @@ class Plan:
     edits: list[Edit]
     skips: list[Skip]
     sources: dict[str, str]  # path -> its text now
+    files: dict[str, _fixio.Source] = dataclasses.field(default_factory=dict)  # path -> how it was read
 
     def patched(self, edits: Sequence[Edit] | None = None) -> dict[str, str]:
         """path -> the text with ``edits`` (all by default) applied, for the files they change."""
@@ -125,6 +145,8 @@ def findings_from(entries: Iterable[dict[str, Any]], base: str | None = None) ->
     ``message``); relative paths are ``base``'s (the report's directory's run: its working directory)."""
     found = []
     for e in entries:
+        if not isinstance(e, dict):
+            continue
         code = e.get("rule") or e.get("code")
         path = e.get("abspath") or e.get("file") or e.get("path")
         if not isinstance(code, str) or not isinstance(path, str) or not isinstance(e.get("line"), int):
@@ -132,15 +154,37 @@ def findings_from(entries: Iterable[dict[str, Any]], base: str | None = None) ->
         if not os.path.isabs(path):
             path = os.path.join(base or os.getcwd(), path)
         message = re.sub(r"\s*\(safetorch explain ST\d+\)\s*$", "", str(e.get("message", "")))
-        found.append(Finding(code, os.path.normpath(path), e["line"], message))
+        found.append(Finding(code, os.path.normpath(path), e["line"], message, *_span_of(e), _seen(e)))
     return list(dict.fromkeys(found))
+
+
+def _span_of(e: dict[str, Any]) -> tuple[tuple[int, int, int, int] | None, str | None]:
+    where = (e.get("line"), e.get("col"), e.get("end_line"), e.get("end_col"))
+    source = e.get("source")
+    if all(type(n) is int and n >= 0 for n in where) and isinstance(source, str):
+        return where, source  # type: ignore[return-value]
+    return None, None
+
+
+def _seen(e: dict[str, Any]) -> float | None:
+    import datetime
+
+    seen = e.get("first_seen")
+    if isinstance(seen, (int, float)):
+        return float(seen)
+    try:
+        return datetime.datetime.fromisoformat(seen).timestamp() if isinstance(seen, str) else None
+    except ValueError:
+        return None
 
 
 # --- planning ------------------------------------------------------------------------------------------------------
 
 
-def plan(findings: Iterable[Finding]) -> Plan:
-    """The fixes (and the skips) for ``findings``, read against their files as they are now."""
+def plan(findings: Iterable[Finding], facts: _fixtrace.Facts | None = None, since: float | None = None) -> Plan:
+    """The fixes (and the skips) for ``findings``, read against their files as they are now. ``facts`` is what the
+    run saw happen (`safetorch._fixtrace`: what ran, where backwards were called from), None for a report; ``since``,
+    when the run started (a file modified after it is refused)."""
     import libcst as cst  # noqa: F401  (ImportError: the caller says how to install it)
 
     result = Plan([], [], {})
@@ -153,21 +197,26 @@ def plan(findings: Iterable[Finding]) -> Plan:
             result.skips.extend(Skip(f, "in an installed library, not the program's own code") for f in found)
             continue
         try:
-            with open(path, encoding="utf-8", newline="") as fh:  # its line endings as they are
-                source = fh.read()
+            read = _fixio.read(path)
         except OSError as exc:
             result.skips.extend(Skip(f, f"the file cannot be read ({exc.strerror})") for f in found)
             continue
+        except (SyntaxError, UnicodeDecodeError, LookupError) as exc:
+            result.skips.extend(Skip(f, f"the file cannot be decoded as Python decodes it ({exc})") for f in found)
+            continue
+        source = read.text
         try:
-            tree = _Tree(path, source)
+            tree = _Tree(path, source, facts)
         except Exception as exc:  # a file libcst does not parse (a newer syntax)
             result.skips.extend(Skip(f, f"the file does not parse ({type(exc).__name__})") for f in found)
             continue
         result.sources[path] = source
+        result.files[path] = read
         taken: set[tuple[Any, str]] = set()
         for f in sorted(found, key=lambda f: (f.line, f.code)):
+            stale = _stale(tree, f, read, since)
             try:
-                made = _FIXERS[f.code](tree, f)
+                made = stale or _FIXERS[f.code](tree, f)
             except Exception as exc:  # never let one odd line stop the others
                 made = f"no fix could be made ({type(exc).__name__}: {exc})"
             if isinstance(made, str):
@@ -177,7 +226,38 @@ def plan(findings: Iterable[Finding]) -> Plan:
                 if (edit.key, edit.what) not in taken:  # two findings, one fix (a loop of two evaluations)
                     taken.add((edit.key, edit.what))
                     result.edits.append(edit)
+    _one_no_grad(result)
     return result
+
+
+def _one_no_grad(result: Plan) -> None:
+    """A ``no_grad`` block inside another one of the same patch (ST005's uses inside ST003's evaluation loop) is
+    not written: the outer one holds it."""
+    wraps = [e for e in result.edits if e.wraps is not None]
+    for inner in wraps:
+        outer = next((o for o in wraps if o is not inner and o.path == inner.path and o in result.edits
+                      and o.wraps[0] <= inner.wraps[0] and inner.wraps[1] <= o.wraps[1]), None)  # type: ignore[index]
+        if outer is None:
+            continue
+        result.edits.remove(inner)
+        if not any(e.finding == inner.finding for e in result.edits):
+            result.skips.append(Skip(inner.finding, f"already under the `with torch.no_grad():` that the fix of "
+                                                    f"{outer.finding.code} at line {outer.finding.line} writes"))
+
+
+def _stale(tree: _Tree, f: Finding, read: _fixio.Source, since: float | None) -> str | None:
+    """Why the file no longer holds what the run found there (None when it does): the finding's expression is not
+    at its place any more, or, without one, the file was modified after the run."""
+    if f.span is not None and f.source is not None:
+        now = tree.text_at(f.span)
+        if now != f.source:
+            return (f"the file changed since the run: line {f.line} no longer holds `{' '.join(f.source.split())}` "
+                    f"there: run again")
+        return None
+    started = since if since is not None else f.seen
+    if started is not None and read.mtime > started + 1.0:  # report times are whole seconds
+        return "the file changed since the run (modified after it), and the finding has no source to compare: run again"
+    return None
 
 
 def _installed(path: str) -> bool:
@@ -193,15 +273,42 @@ def _installed(path: str) -> bool:
 class _Tree:
     """A file's tree with its positions and parents."""
 
-    def __init__(self, path: str, source: str) -> None:
+    def __init__(self, path: str, source: str, facts: _fixtrace.Facts | None = None) -> None:
         import libcst as cst
         from libcst.metadata import MetadataWrapper, ParentNodeProvider, PositionProvider
 
         self.path = path
+        self.facts = facts
+        self.lines = source.splitlines(keepends=True)
         self.wrapper = MetadataWrapper(cst.parse_module(source))
         self.module = self.wrapper.module
         self.positions = self.wrapper.resolve(PositionProvider)
         self.parents = self.wrapper.resolve(ParentNodeProvider)
+
+    def _column(self, line: int, byte: int) -> int:
+        """A column in UTF-8 bytes (Python's) as a column in characters (libcst's)."""
+        text = self.lines[line - 1] if 0 < line <= len(self.lines) else ""
+        return len(text.encode()[:byte].decode(errors="ignore"))
+
+    def text_at(self, span: tuple[int, int, int, int]) -> str | None:
+        """The file's text at a span of the run's (columns in UTF-8 bytes), None where the file is shorter."""
+        line, col, end_line, end_col = span
+        if not 0 < line <= end_line <= len(self.lines):
+            return None
+        encoded = [t.encode() for t in self.lines[line - 1:end_line]]
+        if len(encoded) == 1:
+            return encoded[0][col:end_col].decode(errors="replace")
+        return b"".join([encoded[0][col:], *encoded[1:-1], encoded[-1][:end_col]]).decode(errors="replace")
+
+    def at_span(self, f: Finding, kind: type | tuple[type, ...]) -> Any:
+        """The node of ``kind`` that is exactly the finding's expression (None without a span, or when none is)."""
+        if f.span is None:
+            return None
+        line, col, end_line, end_col = f.span
+        start, end = (line, self._column(line, col)), (end_line, self._column(end_line, end_col))
+        found = [n for n, r in self.positions.items() if isinstance(n, kind)
+                 and (r.start.line, r.start.column) == start and (r.end.line, r.end.column) == end]
+        return found[-1] if found else None  # the innermost: `(x.float())` is one Call in parentheses
 
     def span(self, node: Any) -> tuple[int, int]:
         rng = self.positions[node]
@@ -253,6 +360,15 @@ class _Tree:
                             for alias in small.names):
                         return True
         return False
+
+    def spans(self, node: Any, f: Finding) -> bool:
+        """Whether ``node`` is exactly the finding's expression."""
+        if f.span is None or node not in self.positions:
+            return False
+        line, col, end_line, end_col = f.span
+        r = self.positions[node]
+        return (r.start.line, r.start.column, r.end.line, r.end.column) == (
+            line, self._column(line, col), end_line, self._column(end_line, end_col))
 
     def key(self, node: Any) -> tuple[type, int, int, int, int]:
         rng = self.positions[node]
@@ -313,26 +429,63 @@ def _call_name(call: Any) -> str:
     return ""
 
 
+def _pick(tree: _Tree, f: Finding, candidates: Sequence[Any], describe: str,
+          node_of: Callable[[Any], Any] = lambda n: n) -> Any:
+    """The candidate that is the finding's expression (``node_of(candidate)`` spans exactly what the run recorded);
+    without a recorded span, the line's only candidate. A string (the reason) when there is none to be sure of."""
+    if f.span is not None:
+        exact = [c for c in candidates if tree.spans(node_of(c), f)]
+        if exact:
+            return exact[0]
+        return f"the finding's expression `{' '.join((f.source or '').split())}` is not {describe}"
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        return f"no {describe} at that line"
+    return (f"the line holds {len(candidates)} of them ({describe}) and the finding does not say which (no column: "
+            f"Python 3.10, or a report without one): fix it by hand")
+
+
+_WRITE = re.compile(r"\. Write: (.+?) = (.+)$")
+
+
 def _fix_st001(tree: _Tree, f: Finding) -> Edit | str:
     import libcst as cst
 
     stmt = tree.statement(f.line)
     if stmt is None:
         return "no statement at that line"
-    for small in stmt.body:
-        if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call) \
-                and isinstance(small.value.func, cst.Attribute):
-            receiver = small.value.func.value
-            if not _simple_chain(receiver):
-                return f"the receiver `{tree.code(receiver)}` is not a plain name or attribute: assign the result"
-            target = tree.code(receiver)
+    method = re.match(r"ST001 (?:tensor\.(\w+)\(\)|.*?\.(\w+)\()", f.message)
+    name = next((g for g in method.groups() if g), None) if method else None
+    candidates = [small for small in stmt.body if isinstance(small, cst.Expr) and isinstance(small.value, cst.Call)
+                  and isinstance(small.value.func, cst.Attribute)
+                  and (name is None or small.value.func.attr.value == name)]
+    small = _pick(tree, f, candidates, "a discarded conversion that is a statement of its own",
+                  lambda n: n.value)
+    if isinstance(small, str):
+        return small
+    call = small.value
+    wanted = _WRITE.search(f.message)
+    receiver = call.func.value
+    if wanted is None:
+        return (f"`{_one_line(tree, receiver)}` cannot take an assignment (a module's parameter, a property, an "
+                f"item of a tensor or a tuple, or a value the run could not read): assign the result to a name by hand")
+    target = wanted.group(1)
+    readable = {_one_line(tree, receiver), *(_one_line(tree, a.value) for a in call.args[:1] if a.keyword is None)}
+    if target not in readable:
+        return f"the finding's receiver `{target}` is not the call's at that line"
 
-            def make(node: Any, target: str = target) -> Any:
-                return cst.Assign(targets=[cst.AssignTarget(target=cst.parse_expression(target))], value=node.value,
-                                  semicolon=node.semicolon)
+    def make(node: Any, target: str = target) -> Any:
+        return cst.Assign(targets=[cst.AssignTarget(target=cst.parse_expression(target))], value=node.value,
+                          semicolon=node.semicolon)
 
-            return tree.edit(f, small, None, make)
-    return "the discarded call is not a statement of its own at that line"
+    return tree.edit(f, small, None, make)
+
+
+def _one_line(tree: _Tree, node: Any) -> str:
+    from ._callsite import normalized
+
+    return normalized(tree.code(node))
 
 
 _LEGACY = ("size_average", "reduce")
@@ -348,39 +501,38 @@ def _fix_st002(tree: _Tree, f: Finding) -> Edit | str:
     stmt = tree.statement(f.line)
     if stmt is None:
         return "no statement at that line"
-    for call in tree.nodes(stmt, cst.Call):
-        names = [a.keyword.value for a in call.args if a.keyword is not None]
-        legacy = any(n in _LEGACY for n in names)
-        mean = any(a.keyword is not None and a.keyword.value == "reduction"
-                   and isinstance(a.value, cst.SimpleString) and a.value.evaluated_value == "elementwise_mean"
+    def legacy(call: Any) -> bool:
+        return any(a.keyword is not None and (a.keyword.value in _LEGACY or a.keyword.value == "reduction"
+                   and isinstance(a.value, cst.SimpleString) and a.value.evaluated_value == "elementwise_mean")
                    for a in call.args)
-        if not (legacy or mean):
-            continue
-        if any(a.keyword is None and a.star == "" for a in call.args) and _call_name(call)[:1].isupper() \
-                and len([a for a in call.args if a.keyword is None]) > 1:
-            return "legacy arguments given by position: write reduction= by hand"
-        quote = _quote(tree, call)
 
-        def make(node: Any, new: str = new, quote: str = quote) -> Any:
-            args = [a for a in node.args if a.keyword is None or a.keyword.value not in (*_LEGACY, "reduction")]
-            value = cst.SimpleString(f"{quote}{new}{quote}")
-            old = next((a for a in node.args if a.keyword is not None and a.keyword.value == "reduction"), None)
-            if old is not None:  # in its place
-                index = node.args.index(old)
-                kept = [a for a in node.args[:index] if a in args]
-                args.insert(len(kept), old.with_changes(value=value))
-            else:
-                first = next((a for a in node.args if a.keyword is not None and a.keyword.value in _LEGACY), None)
-                arg = cst.Arg(value=value, keyword=cst.Name("reduction"),
-                              equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
-                                                    whitespace_after=cst.SimpleWhitespace("")))
-                index = node.args.index(first) if first is not None else len(node.args)
-                kept = [a for a in node.args[:index] if a in args]
-                args.insert(len(kept), arg)
-            return node.with_changes(args=_commas(args, node.args))
+    call = _pick(tree, f, [c for c in tree.nodes(stmt, cst.Call) if legacy(c)], "a call with a legacy argument")
+    if isinstance(call, str):
+        return call
+    if any(a.keyword is None and a.star == "" for a in call.args) and _call_name(call)[:1].isupper() \
+            and len([a for a in call.args if a.keyword is None]) > 1:
+        return "legacy arguments given by position: write reduction= by hand"
+    quote = _quote(tree, call)
 
-        return tree.edit(f, call, f"reduction={quote}{new}{quote}", make)
-    return "no legacy argument at that line"
+    def make(node: Any, new: str = new, quote: str = quote) -> Any:
+        args = [a for a in node.args if a.keyword is None or a.keyword.value not in (*_LEGACY, "reduction")]
+        value = cst.SimpleString(f"{quote}{new}{quote}")
+        old = next((a for a in node.args if a.keyword is not None and a.keyword.value == "reduction"), None)
+        if old is not None:  # in its place
+            index = node.args.index(old)
+            kept = [a for a in node.args[:index] if a in args]
+            args.insert(len(kept), old.with_changes(value=value))
+        else:
+            first = next((a for a in node.args if a.keyword is not None and a.keyword.value in _LEGACY), None)
+            arg = cst.Arg(value=value, keyword=cst.Name("reduction"),
+                          equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                                whitespace_after=cst.SimpleWhitespace("")))
+            index = node.args.index(first) if first is not None else len(node.args)
+            kept = [a for a in node.args[:index] if a in args]
+            args.insert(len(kept), arg)
+        return node.with_changes(args=_commas(args, node.args))
+
+    return tree.edit(f, call, f"reduction={quote}{new}{quote}", make)
 
 
 def _quote(tree: _Tree, near: Any) -> str:
@@ -418,36 +570,49 @@ def _enclosing(tree: _Tree, node: Any, kind: type | tuple[type, ...]) -> list[An
 
 
 def _fix_st003(tree: _Tree, f: Finding) -> Edit | str:
+    """The evaluation under ``with torch.no_grad():``. What goes under it is what the run proved trains nothing: the
+    statement of the forward, and each loop around it (in its function, innermost first) while no backward ran from
+    any line of that loop (a training helper it calls included), none of its lines that never ran reads as training,
+    and it returns or yields nothing. Without the run's record (a report), only the statement."""
     import libcst as cst
 
     stmt = tree.statement(f.line)
     if stmt is None:
         return "no statement at that line"
+    if f.span is not None and not any(tree.spans(c, f) for c in tree.nodes(stmt, cst.Call)):
+        return f"the finding's forward `{' '.join((f.source or '').split())}` is not a call of that statement"
     if not tree.binds_torch():
         return "the file does not `import torch`: wrap the evaluation in `with torch.no_grad():` by hand"
+    if not isinstance(tree.parents.get(stmt), (cst.IndentedBlock, cst.Module)):
+        return "the forward is on one line with its block's header: split the line, then wrap it by hand"
     ancestors = tree.ancestors(stmt)
     function = next((a for a in ancestors if isinstance(a, (cst.FunctionDef, cst.Lambda))), None)
     inside = ancestors[: ancestors.index(function)] if function is not None else ancestors
     if any(isinstance(a, cst.With) and "no_grad" in tree.code(a.items[0]) for a in inside):
         return "already under no_grad"
-    loops = [a for a in inside if isinstance(a, (cst.For, cst.While))]
-    # The outermost loop of this function that trains nothing: the evaluation loop.
-    target = None
-    for loop in loops:
-        if not _TRAINING_CALLS.search(tree.code(loop)):
-            target = loop
-    what = "the evaluation loop under `with torch.no_grad():`"
-    if target is None:
-        if any(isinstance(s, cst.Return) for s in stmt.body):
-            return "the forward's result is returned: its callers may train through it"
-        target, what = stmt, "the evaluation under `with torch.no_grad():`"
+    if any(isinstance(s, cst.Return) for s in stmt.body):
+        return "the forward's result is returned: its callers may train through it"
+    start, end = tree.span(stmt)
+    if tree.facts is not None and tree.facts.backward_within(tree.path, start, end):
+        return "a backward ran from the forward's own statement"
+    target, what = stmt, "the evaluation under `with torch.no_grad():`"
+    if tree.facts is None and _TRAINING_CALLS.search(tree.code(stmt)):
+        return "the forward's statement reads as training, and without a run (a report) nothing shows it does not"
+    if tree.facts is not None:
+        for loop in (a for a in inside if isinstance(a, (cst.For, cst.While))):
+            first, last = tree.span(loop)
+            if _trains(tree, [loop], first, last):
+                break  # an outer loop holds this one: it trains too
+            target, what = loop, "the evaluation loop under `with torch.no_grad():`"
 
     def make(node: Any) -> Any:
         inner = node.with_changes(leading_lines=())
         return cst.With(items=[cst.WithItem(item=cst.parse_expression("torch.no_grad()"))],
                         body=cst.IndentedBlock(body=[inner]), leading_lines=node.leading_lines)
 
-    return tree.edit(f, target, what, make)
+    edit = tree.edit(f, target, what, make)
+    edit.wraps = tree.span(target)
+    return edit
 
 
 def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
@@ -466,37 +631,130 @@ def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
             value = value.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
         return cst.Call(func=cst.Attribute(value=value, attr=cst.Name(method)))
 
-    for small in stmt.body:
-        if isinstance(small, cst.AugAssign) and isinstance(small.operator, (cst.AddAssign, cst.SubtractAssign)):
-            def make(node: Any) -> Any:
-                return node.with_changes(value=called(node.value))
+    def accumulation(small: Any) -> bool:
+        return isinstance(small, cst.AugAssign) and isinstance(small.operator, (cst.AddAssign, cst.SubtractAssign)) \
+            or isinstance(small, cst.Assign) and isinstance(small.value, cst.BinaryOperation) \
+            and isinstance(small.value.operator, cst.Add)
 
-            return tree.edit(f, small, None, make)
-        if isinstance(small, cst.Assign) and isinstance(small.value, cst.BinaryOperation) \
-                and isinstance(small.value.operator, cst.Add):
+    small = _pick(tree, f, [s for s in stmt.body if accumulation(s)], "an accumulation",
+                  lambda n: n if isinstance(n, cst.AugAssign) else n.value)
+    if isinstance(small, str):
+        return small
+    target = _one_line(tree, small.target if isinstance(small, cst.AugAssign) else small.value.left)
+    named = re.match(r"ST004 (.+?) (?:\+=|= .+? \+) .+? adds a tensor", f.message)
+    if named is not None and named.group(1) != target:
+        return f"the finding's accumulator `{named.group(1)}` is not the one at that line (`{target}`)"
+    if isinstance(small, cst.AugAssign):
+        def make(node: Any) -> Any:
+            return node.with_changes(value=called(node.value))
 
-            def make_bin(node: Any) -> Any:
-                return node.with_changes(value=node.value.with_changes(right=called(node.value.right)))
+        return tree.edit(f, small, None, make)
 
-            return tree.edit(f, small, None, make_bin)
-    return "no accumulation at that line"
+    def make_bin(node: Any) -> Any:
+        return node.with_changes(value=node.value.with_changes(right=called(node.value.right)))
+
+    return tree.edit(f, small, None, make_bin)
 
 
-def _fix_st005(tree: _Tree, f: Finding) -> Edit | str:
+def _fix_st005(tree: _Tree, f: Finding) -> list[Edit] | str:
+    """``volatile=True`` meant: nothing computed from this input records a graph. Dropping it (it does nothing since
+    torch 0.4) and putting the statements that use what it made under ``torch.no_grad()`` keeps that meaning; the
+    run must show that no backward ran there, else nothing is written."""
     import libcst as cst
 
     stmt = tree.statement(f.line)
     if stmt is None:
         return "no statement at that line"
-    for call in tree.nodes(stmt, cst.Call):
-        if any(a.keyword is not None and a.keyword.value == "volatile" for a in call.args):
 
-            def make(node: Any) -> Any:
-                args = [a for a in node.args if a.keyword is None or a.keyword.value != "volatile"]
-                return node.with_changes(args=_commas(args, node.args))
+    def volatile(call: Any) -> bool:
+        return any(a.keyword is not None and a.keyword.value == "volatile" for a in call.args)
 
-            return tree.edit(f, call, "volatile= dropped", make)
-    return "no volatile= at that line"
+    call = _pick(tree, f, [c for c in tree.nodes(stmt, cst.Call) if volatile(c)], "a call with volatile=")
+    if isinstance(call, str):
+        return call
+    if not tree.binds_torch():
+        return "the file does not `import torch`: drop volatile= and put its uses under torch.no_grad() by hand"
+    region = _volatile_uses(tree, stmt)
+    if isinstance(region, str):
+        return region
+    block, first, last = region
+    statements = list(block.body)[first:last + 1]
+    start, end = tree.span(statements[0])[0], tree.span(statements[-1])[1]
+    why = _trains(tree, statements, start, end)
+    if why:
+        return f"volatile= is to become `with torch.no_grad():` around its uses, but {why}: do it by hand"
+
+    def drop(node: Any) -> Any:
+        args = [a for a in node.args if a.keyword is None or a.keyword.value != "volatile"]
+        return node.with_changes(args=_commas(args, node.args))
+
+    def wrap(node: Any, first: int = first, last: int = last) -> Any:
+        body = list(node.body)
+        inner = [body[first].with_changes(leading_lines=()), *body[first + 1:last + 1]]
+        with_ = cst.With(items=[cst.WithItem(item=cst.parse_expression("torch.no_grad()"))],
+                         body=cst.IndentedBlock(body=inner), leading_lines=body[first].leading_lines)
+        return node.with_changes(body=[*body[:first], with_, *body[last + 1:]])
+
+    lines = f"line {start}" if start == end else f"lines {start}-{end}"
+    edits = [tree.edit(f, call, "volatile= dropped", drop),
+             tree.edit(f, block, f"its uses ({lines}) under `with torch.no_grad():`", wrap)]
+    edits[1].wraps = (start, end)
+    return edits
+
+
+def _volatile_uses(tree: _Tree, stmt: Any) -> tuple[Any, int, int] | str:
+    """(the block, the first and the last index) of the statements from ``stmt`` to the last one of its block that
+    reads a name assigned from the volatile input (the names assigned from those, and so on)."""
+    import libcst as cst
+
+    block = tree.parents.get(stmt)
+    body = list(getattr(block, "body", ()))
+    if stmt not in body or not isinstance(block, (cst.IndentedBlock, cst.Module)):
+        return "the volatile input is not made in a statement of its own block"
+    first = last = body.index(stmt)
+    names = _assigned(tree, stmt)
+    if not names:
+        return "the volatile input is not assigned to a name: its uses cannot be told"
+    for i in range(first + 1, len(body)):
+        used = {n.value for n in tree.nodes(body[i], cst.Name)}
+        if used & names:
+            last = i
+            names |= _assigned(tree, body[i])
+    return block, first, last
+
+
+def _assigned(tree: _Tree, stmt: Any) -> set[str]:
+    import libcst as cst
+
+    out: set[str] = set()
+    for node in tree.nodes(stmt, (cst.AssignTarget, cst.AugAssign, cst.AnnAssign, cst.For, cst.WithItem)):
+        target = node.asname.name if isinstance(node, cst.WithItem) and node.asname else getattr(node, "target", None)
+        if target is not None:
+            out |= {n.value for n in tree.nodes(target, cst.Name)}
+    return out
+
+
+def _trains(tree: _Tree, statements: Sequence[Any], start: int, end: int) -> str | None:
+    """Why lines ``start``-``end`` (the ``statements``) cannot go under ``no_grad`` from what the run saw, or None:
+    a backward ran while they ran, one of them never ran and reads as training, or they return or yield a value
+    (its users may train through it). Without the run's record (a report) nothing is proven."""
+    import libcst as cst
+
+    facts = tree.facts
+    if facts is None:
+        return "without a run (a report) what these lines do is not known"
+    if not facts.file_ran(tree.path):
+        return "the run recorded no line of this file"
+    if facts.backward_within(tree.path, start, end):
+        return f"a backward ran from lines {start}-{end}"
+    for stmt in statements:
+        if tree.nodes(stmt, (cst.Return, cst.Yield)):
+            return "they return or yield a value, which its users may train through"
+    for line in range(start, end + 1):
+        text = tree.lines[line - 1] if line <= len(tree.lines) else ""
+        if not facts.ran(tree.path, line) and _TRAINING_CALLS.search(text):
+            return f"line {line} never ran and reads as training"
+    return None
 
 
 _FUNCTIONAL = frozenset({"F", "torch", "nn", "functional", "torch.nn.functional", "nn.functional", "torch.special"})
@@ -526,7 +784,9 @@ def _fix_st009(tree: _Tree, f: Finding) -> Edit | str:
     stmt = tree.statement(f.line)
     if stmt is None:
         return "no statement at that line"
-    for call in tree.nodes(stmt, cst.Call):
+    calls = tree.nodes(stmt, cst.Call)
+    exact = [c for c in calls if tree.spans(c, f)]
+    for call in exact or calls:
         for arg in call.args:
             if not isinstance(arg.value, cst.Call):
                 continue
@@ -602,22 +862,24 @@ def _fix_st013(tree: _Tree, f: Finding) -> Edit | str:
     if function is None or not function.params.params:
         return "not in a method: pass training= by hand"
     owner = function.params.params[0].name.value
-    for call in tree.nodes(stmt, cst.Call):
+    def dropout(call: Any) -> bool:
         functional = isinstance(call.func, cst.Name) or (isinstance(call.func, cst.Attribute)
                                                           and tree.code(call.func.value) in _FUNCTIONAL)
-        if functional and _call_name(call) in _DROPOUTS and not any(
-                a.keyword is not None and a.keyword.value == "training" for a in call.args):
-            if len([a for a in call.args if a.keyword is None]) >= 3:
-                continue
+        return functional and _call_name(call) in _DROPOUTS and not any(
+            a.keyword is not None and a.keyword.value == "training" for a in call.args) \
+            and len([a for a in call.args if a.keyword is None]) < 3
 
-            def make(node: Any, owner: str = owner) -> Any:
-                arg = cst.Arg(value=cst.parse_expression(f"{owner}.training"), keyword=cst.Name("training"),
-                              equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
-                                                    whitespace_after=cst.SimpleWhitespace("")))
-                return node.with_changes(args=_commas([*node.args, arg], node.args))
+    call = _pick(tree, f, [c for c in tree.nodes(stmt, cst.Call) if dropout(c)], "an F.dropout without training=")
+    if isinstance(call, str):
+        return call
 
-            return tree.edit(f, call, f"training={owner}.training", make)
-    return "no F.dropout without training= at that line"
+    def make(node: Any, owner: str = owner) -> Any:
+        arg = cst.Arg(value=cst.parse_expression(f"{owner}.training"), keyword=cst.Name("training"),
+                      equal=cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""),
+                                            whitespace_after=cst.SimpleWhitespace("")))
+        return node.with_changes(args=_commas([*node.args, arg], node.args))
+
+    return tree.edit(f, call, f"training={owner}.training", make)
 
 
 def _fix_st014(tree: _Tree, f: Finding) -> Edit | str:
@@ -630,22 +892,23 @@ def _fix_st014(tree: _Tree, f: Finding) -> Edit | str:
     stmt = tree.statement(f.line)
     if stmt is None:
         return "no statement at that line"
-    for call in tree.nodes(stmt, cst.Call):
-        if _call_name(call) == "load_state_dict":
-            positional = [a for a in call.args if a.keyword is None and a.star == ""]
-            if not positional:
-                return "the state dict is not given by position"
-            arg = positional[0]
-            text = tree.code(arg.value)
-            if not isinstance(arg.value, (cst.Name, cst.Attribute, cst.Subscript, cst.Call)):
-                text = f"({text})"
+    call = _pick(tree, f, [c for c in tree.nodes(stmt, cst.Call) if _call_name(c) == "load_state_dict"],
+                 "a load_state_dict() call")
+    if isinstance(call, str):
+        return call
+    positional = [a for a in call.args if a.keyword is None and a.star == ""]
+    if not positional:
+        return "the state dict is not given by position"
+    arg = positional[0]
+    text = tree.code(arg.value)
+    if not isinstance(arg.value, (cst.Name, cst.Attribute, cst.Subscript, cst.Call)):
+        text = f"({text})"
 
-            def make(node: Any, text: str = text) -> Any:
-                return node.with_changes(value=cst.parse_expression(
-                    f"{{k.removeprefix({prefix}): v for k, v in {text}.items()}}"))
+    def make(node: Any, text: str = text) -> Any:
+        return node.with_changes(value=cst.parse_expression(
+            f"{{k.removeprefix({prefix}): v for k, v in {text}.items()}}"))
 
-            return tree.edit(f, arg, f"keys without {prefix}", make)
-    return "no load_state_dict() at that line"
+    return tree.edit(f, arg, f"keys without {prefix}", make)
 
 
 def _fix_st015(tree: _Tree, f: Finding) -> list[Edit] | str:
@@ -707,6 +970,8 @@ class Run:
     status: int  # the program's own exit status (findings do not change it: the runner is given --exit-zero)
     findings: list[Finding]
     output: str  # what the program and the runner printed
+    facts: _fixtrace.Facts | None = None  # what ran, and where backwards were called from
+    started: float | None = None  # when (seconds since the epoch)
 
 
 def run(script: str, args: Sequence[str], cwd: str | None = None, timeout: float | None = None) -> Run:
@@ -714,15 +979,18 @@ def run(script: str, args: Sequence[str], cwd: str | None = None, timeout: float
     what it found from the report."""
     env = {k: v for k, v in os.environ.items() if k not in ("SAFETORCH_STRICT", "SAFETORCH_DISABLE", "SAFETORCH_REPORT",
                                                              "SAFETORCH_FORMAT", "SAFETORCH_RUNNER")}
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="safetorch-fix-") as tmp:
         report = os.path.join(tmp, "findings.json")
+        env[_fixtrace.ENV] = os.path.join(tmp, "ran.json")
         cmd = [sys.executable, "-m", "safetorch", "--exit-zero", "--report", report, "--", script, *args]
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         entries: list[dict[str, Any]] = []
         if os.path.exists(report):
             with open(report, encoding="utf-8") as fh:
                 entries = json.load(fh)
-    return Run(proc.returncode, findings_from(entries, cwd), proc.stdout + proc.stderr)
+        facts = _fixtrace.read(env[_fixtrace.ENV])
+    return Run(proc.returncode, findings_from(entries, cwd), proc.stdout + proc.stderr, facts, started)
 
 
 # --- verification: the patched program, run again -----------------------------------------------------------------
@@ -760,29 +1028,30 @@ def _still_found(edit: Edit, found: list[Finding], maps: dict[str, dict[int, int
 
 
 def verify(p: Plan, edits: Sequence[Edit], script: str, args: Sequence[str], cwd: str,
-           timeout: float | None = None) -> tuple[list[Edit], list[Finding] | None]:
+           timeout: float | None = None) -> tuple[list[Edit], list[Finding] | None, _fixtrace.Facts | None]:
     """The edits that, applied together to a copy of the script's directory, leave a run that succeeds and no
     longer finds what they fixed (when that run fails, each edit is tried alone first), and what the run of the kept
-    edits found (its lines are the patched files', its paths the originals'; None when nothing ran)."""
+    edits found (its lines are the patched files', its paths the originals'; None when nothing ran), and what ran
+    in it (the same)."""
     root = os.path.realpath(_copy_root(script))
     inside = [e for e in edits if os.path.commonpath([root, os.path.realpath(e.path)]) == root]
 
-    def attempt(chosen: Sequence[Edit]) -> tuple[list[Edit], list[Finding] | None]:
+    def attempt(chosen: Sequence[Edit]) -> tuple[list[Edit], list[Finding] | None, _fixtrace.Facts | None]:
         if not chosen:
-            return [], None
+            return [], None, None
         patched = p.patched(chosen)
         with tempfile.TemporaryDirectory(prefix="safetorch-verify-") as tmp:
             copy = os.path.join(os.path.realpath(tmp), os.path.basename(root) or "program")
             shutil.copytree(root, copy, ignore=_IGNORED, symlinks=True)
             for path, text in patched.items():
-                with open(os.path.join(copy, os.path.relpath(os.path.realpath(path), root)), "w", encoding="utf-8",
-                          newline="") as fh:
-                    fh.write(text)
+                encoding = p.files[path].encoding if path in p.files else "utf-8"
+                with open(os.path.join(copy, os.path.relpath(os.path.realpath(path), root)), "wb") as fh:
+                    fh.write(text.encode(encoding))
             rel_cwd = os.path.relpath(os.path.realpath(cwd), root)
             there = os.path.join(copy, rel_cwd) if not rel_cwd.startswith("..") else cwd
             result = run(os.path.join(copy, os.path.relpath(os.path.realpath(script), root)), args, there, timeout)
         if result.status != 0:
-            return [], None
+            return [], None, None
         back = {os.path.realpath(path): path for path in p.sources}
 
         def original(path: str) -> str:
@@ -791,24 +1060,31 @@ def verify(p: Plan, edits: Sequence[Edit], script: str, args: Sequence[str], cwd
                 real = os.path.join(root, os.path.relpath(real, copy))
             return back.get(real, real)
 
-        found = [dataclasses.replace(f, path=original(f.path)) for f in result.findings]
+        found = [dataclasses.replace(f, path=original(f.path), seen=None) for f in result.findings]
         maps = {path: _line_map(p.sources[path], text) for path, text in patched.items()}
-        return [e for e in chosen if not _still_found(e, found, maps)], found
+        facts = None
+        if result.facts is not None:
+            facts = _fixtrace.Facts({original(k): v for k, v in result.facts.lines.items()},
+                                    [tuple((original(f), n) for f, n in s) for s in result.facts.backwards])
+        return [e for e in chosen if not _still_found(e, found, maps)], found, facts
 
-    kept, found = attempt(inside)
+    kept, found, facts = attempt(inside)
     if len(kept) == len(inside):
-        return kept, found
+        return kept, found, facts
     alone = [e for e in inside if attempt([e])[0] == [e]]
-    together, found = attempt(alone)
-    return (together, found) if len(together) == len(alone) else ([], None)
+    together, found, facts = attempt(alone)
+    return (together, found, facts) if len(together) == len(alone) else ([], None, None)
+
+
+
 
 
 # --- the command ---------------------------------------------------------------------------------------------------
 
 
 _USAGE = """\
-%(prog)s [--write] [--check] [--verify] [--] script.py [args ...]
-       %(prog)s [--write] [--check] --from REPORT.json"""
+%(prog)s [--write [--no-verify]] [--check] [--verify] [--] script.py [args ...]
+       %(prog)s [--check] --from REPORT.json [--write [--no-verify | -- script.py [args ...]]]"""
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -817,12 +1093,16 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         description="Run a program (or read a JSON report) and print a unified diff of the fixes for what it found: "
                     "the rules with a mechanical fix, where the run makes it certain.",
         epilog="rules it fixes:\n" + "\n".join(f"  {code}  {what}" for code, what in FIXABLE.items())
-        + "\n\nexit status: 0; with --check, 1 when there is something to fix; 2 for a usage error.")
-    parser.add_argument("--write", action="store_true", help="apply the fixes to the files (formatting kept)")
+        + "\n\nexit status: 0; with --check, 1 when there is something to fix; 2 for a usage error; 1 when --write "
+          "could not write (then no file was changed).")
+    parser.add_argument("--write", action="store_true",
+                        help="apply the fixes to the files (formatting kept), all or none; verified first")
     parser.add_argument("--check", action="store_true", help="exit 1 when there is something to fix (pre-commit, CI)")
-    parser.add_argument("--verify", action="store_true",
+    parser.add_argument("--verify", action="store_true", default=None,
                         help="apply the patch to a copy of the script's directory and run it again: keep the fixes "
-                             "whose findings are gone from a run that still succeeds")
+                             "whose findings are gone from a run that still succeeds (the default with --write)")
+    parser.add_argument("--no-verify", dest="verify", action="store_false",
+                        help="with --write: write the fixes without running the patched program first")
     parser.add_argument("--from", dest="report", metavar="REPORT.json",
                         help="read the findings of an earlier run (python -m safetorch --report REPORT.json ...)")
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [args ...]")
@@ -836,15 +1116,22 @@ def _say(text: str) -> None:
 def main(argv: Sequence[str], prog: str = "python -m safetorch") -> int:
     ns = _parser(prog).parse_args(list(argv))
     program = ns.program[1:] if ns.program[:1] == ["--"] else ns.program
+    verify_ = ns.verify if ns.verify is not None else ns.write
     try:
         import libcst  # noqa: F401
     except ImportError:
         _say(f"{prog} fix: {INSTALL_HINT}")
         return 2
     cwd = os.getcwd()
+    facts: _fixtrace.Facts | None = None
+    since: float | None = None
     if ns.report is not None:
-        if program and not ns.verify:
-            _say(f"{prog} fix: error: --from reads a report; a script is only for --verify")
+        if program and not verify_:
+            _say(f"{prog} fix: error: --from reads a report; a script is only for verifying (--verify, --write)")
+            return 2
+        if verify_ and not program:
+            _say(f"{prog} fix: error: --write verifies the fixes by running the program again: give it after the "
+                 f"report (--from {ns.report} --write -- script.py [args]), or write unverified with --no-verify")
             return 2
         try:
             with open(ns.report, encoding="utf-8") as fh:
@@ -869,18 +1156,16 @@ def main(argv: Sequence[str], prog: str = "python -m safetorch") -> int:
             _say(result.output.rstrip())
             _say(f"safetorch fix: the program failed (exit status {result.status}); the fixes are for what it found "
                  f"before")
-        found = result.findings
-    if ns.verify and not program:
-        _say(f"{prog} fix: error: --verify needs the script to run again")
-        return 2
+        found, facts, since = result.findings, result.facts, result.started
     fixed: list[Edit] = []
     skips: dict[tuple[Finding, str], Skip] = {}
     diffs: list[str] = []
+    status = 0
     for _ in range(_ROUNDS):
-        p = plan(found)
-        edits, after = p.edits, None
-        if ns.verify and edits:
-            kept, after = verify(p, edits, program[0], program[1:], cwd)
+        p = plan(found, facts, since)
+        edits, after, after_facts = p.edits, None, None
+        if verify_ and edits:
+            kept, after, after_facts = verify(p, edits, program[0], program[1:], cwd)
             for e in edits:
                 if e not in kept:
                     p.skips.append(Skip(e.finding, f"not verified: {e.what} (the run of the patched copy still found "
@@ -888,33 +1173,101 @@ def main(argv: Sequence[str], prog: str = "python -m safetorch") -> int:
             edits = kept
         for s in p.skips:
             skips.setdefault((s.finding, s.why), s)
+        if ns.write:
+            changes = {path: (p.files[path], text) for path, text in p.patched(edits).items()
+                       if text != p.sources[path]}
+            try:
+                _fixio.write_all(changes)
+            except _fixio.WriteError as exc:
+                _say(f"safetorch fix: nothing was written: {_shown(exc.path, cwd)}: {exc.why}")
+                for path in changes:
+                    _say(f"unchanged: {_shown(path, cwd)}")
+                for e in edits:
+                    _say(f"not written: {_where(e.path, e.finding.line, cwd)}: {e.finding.code} {e.what}")
+                status = 1
+                break
+            for path in changes:
+                _say(f"changed: {_shown(path, cwd)}")
         fixed.extend(edits)
         diffs.append(p.diff(edits))
-        if ns.write:
-            for path, text in p.patched(edits).items():
-                if text != p.sources[path]:
-                    with open(path, "w", encoding="utf-8", newline="") as fh:
-                        fh.write(text)
         # --write --verify: what the patched program found (past a crash the old lines hid) is the next round's work.
         if not (ns.write and edits and after is not None):
             break
-        found = after
+        found, facts, since = after, after_facts, None
     if not ns.write and any(diffs):
         sys.stdout.write("".join(diffs))
         sys.stdout.flush()
+    _summary(fixed, skips, found, facts, ns.write, verify_, cwd, quiet=bool(status))
+    if status:
+        return status
+    return 1 if ns.check and fixed and not ns.write else 0
+
+
+def _summary(fixed: list[Edit], skips: dict[tuple[Finding, str], Skip], found: list[Finding],
+             facts: _fixtrace.Facts | None, written: bool, verified: bool, cwd: str, quiet: bool = False) -> None:
+    """What was fixed, what was not and why: skipped fixes, the findings no fix exists for, and what the run never
+    reached (the fixable patterns on lines of its files that never ran)."""
     for e in fixed:
-        done = "fixed" if ns.write else "fix"
-        _say(f"{done}: {_where(e.path, e.finding.line, cwd)}: {e.finding.code} {e.what}"
-             + (" (verified)" if ns.verify else ""))
+        _say(f"{'fixed' if written else 'fix'}: {_where(e.path, e.finding.line, cwd)}: {e.finding.code} {e.what}"
+             + (" (verified)" if verified else ""))
     for s in skips.values():
         if not any(e.finding == s.finding for e in fixed):
             _say(f"skipped: {_where(s.finding.path, s.finding.line, cwd)}: {s.finding.code} {s.why}")
-    others = sorted({f.code for f in found if not fixable(f.code)})
-    if others:
-        _say(f"no mechanical fix for {', '.join(others)}: see safetorch explain CODE")
-    if not fixed:
+    for f in found:
+        if not fixable(f.code):
+            _say(f"not fixed: {_where(f.path, f.line, cwd)}: {f.code} has no mechanical fix "
+                 f"(safetorch explain {f.code})")
+    for path, line, code, text in _never_ran(facts):
+        _say(f"not fixed: never ran: {_where(path, line, cwd)}: {code}? `{text}` (the run never reached this line: "
+             f"run what reaches it to know)")
+    if not fixed and not quiet:
         _say("safetorch fix: nothing to fix")
-    return 1 if ns.check and fixed and not ns.write else 0
+
+
+def _never_ran(facts: _fixtrace.Facts | None) -> list[tuple[str, int, str, str]]:
+    """(file, line, rule, the statement) for each pattern a fix exists for that no run can miss (``volatile=``,
+    ``size_average=``/``reduce=``, an assignment to ``.require_grad``) on a statement of the program's files that
+    never ran: the run could not find it there, so nothing was fixed."""
+    import libcst as cst
+
+    out: list[tuple[str, int, str, str]] = []
+    if facts is None:
+        return out
+    for path in sorted(facts.lines):
+        if _installed(path) or not path.endswith(".py"):
+            continue
+        try:
+            tree = _Tree(path, _fixio.read(path).text)
+        except Exception:  # noqa: S112  (a file that cannot be read or parsed: nothing to say of it)
+            continue
+        for stmt in tree.nodes(tree.module, cst.SimpleStatementLine):
+            start, end = tree.span(stmt)
+            if any(facts.ran(path, n) for n in range(start, end + 1)):
+                continue
+            code = _pattern(tree, stmt)
+            if code:
+                out.append((path, start, code, " ".join(tree.code(stmt.with_changes(leading_lines=())).split())))
+    return out
+
+
+def _pattern(tree: _Tree, stmt: Any) -> str | None:
+    import libcst as cst
+
+    for call in tree.nodes(stmt, cst.Call):
+        words = {a.keyword.value for a in call.args if a.keyword is not None}
+        if "volatile" in words:
+            return "ST005"
+        if words & set(_LEGACY):
+            return "ST002"
+    for target in tree.nodes(stmt, cst.AssignTarget):
+        if isinstance(target.target, cst.Attribute) and target.target.attr.value == "require_grad":
+            return "ST015"
+    return None
+
+
+def _shown(path: str, cwd: str) -> str:
+    rel = os.path.relpath(path, cwd)
+    return path if rel.startswith("..") else rel
 
 
 _ROUNDS = 4  # --write --verify: rounds of fixing what the fixed program found

@@ -35,7 +35,9 @@ def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each site as the JSON report has it: ``rule`` and ``name``; ``path`` as the program named its file,
     ``abspath``; ``line``; ``count`` over every process; ``pid``/``pids``, ``rank``/``ranks`` and ``hosts`` of the
     processes that found it; ``first_seen`` (ISO 8601, UTC); ``message``. ``code`` and ``file`` repeat ``rule`` and
-    ``path`` (the names of the report's first version)."""
+    ``path`` (the names of the report's first version). ``col``, ``end_line`` and ``end_col`` place the expression
+    the finding is about as Python's ``ast`` does (columns from 0, in UTF-8 bytes), and ``source`` is its text (what
+    ``safetorch fix`` rewrites): all null when unknown (before Python 3.11, or a finding made after its line ran)."""
     rules = _rules()
     out = []
     for e in raw:
@@ -52,8 +54,18 @@ def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "first_seen": _iso(e.get("first_seen")),
             "message": e["message"],
             "code": code, "file": path,
+            **_span(e),
         })
     return out
+
+
+def _span(e: dict[str, Any]) -> dict[str, Any]:
+    span, source = e.get("span"), e.get("source")
+    if not (isinstance(span, (list, tuple)) and len(span) == 4 and all(type(n) is int for n in span)
+            and span[0] == e["line"]):
+        return {"col": None, "end_line": None, "end_col": None, "source": None}
+    return {"col": span[1], "end_line": span[2], "end_col": span[3],
+            "source": source if isinstance(source, str) else None}
 
 
 def _base() -> str:

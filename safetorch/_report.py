@@ -122,6 +122,11 @@ class Site:
     warned: bool = False
     #: When it was first found (seconds since the epoch).
     first_seen: float = field(default_factory=time.time)
+    #: The expression the finding is about, (line, column, end line, end column) as ``ast`` counts them, and its
+    #: source text: what ``safetorch fix`` rewrites, and how it tells that the file still holds it. None before 3.11
+    #: (no bytecode positions) and for a finding reported without its instruction.
+    span: tuple[int, int, int, int] | None = None
+    source: str | None = None
 
 
 #: The rules switched off in the current thread or task by ``with safetorch.ignore(...)`` / ``@safetorch.ignore``.
@@ -169,12 +174,13 @@ if hasattr(os, "register_at_fork"):
 def report(code: str, frame: FrameType, message: str | Callable[[], str]) -> None:
     """Report finding ``code`` at ``frame``'s current line: warn once per call site, or raise in strict mode."""
     __tracebackhide__ = True  # noqa: F841  (pytest hides this frame)
-    report_at(code, frame.f_code.co_filename, frame.f_lineno, frame.f_globals, message)
+    report_at(code, frame.f_code.co_filename, frame.f_lineno, frame.f_globals, message, (frame.f_code, frame.f_lasti))
 
 
 def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, Any],
-              message: str | Callable[[], str]) -> None:
-    """`report` for a line remembered earlier (ST006 on CUDA reports a step after the line ran)."""
+              message: str | Callable[[], str], at: tuple[CodeType, int] | None = None) -> None:
+    """`report` for a line remembered earlier (ST006 on CUDA reports a step after the line ran); ``at``, the code
+    object and instruction offset of the call, gives the finding its exact expression (`Site.span`)."""
     __tracebackhide__ = True  # noqa: F841
     scoped = scoped_off.get()
     if scoped and code in scoped:
@@ -198,11 +204,14 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
             text = f"{code} [rank {_RANK}] {text.removeprefix(code).lstrip()}"
         text = f"{text.rstrip()} {explain_hint(code)}"
         shown_as = _notebook.cell_name(filename) or filename  # `Cell In[5]` for a Jupyter cell
+        where, source = _span(filename, lineno, module_globals, at)
         with _lock:
-            site = _sites.setdefault(key, Site(code, shown_as, lineno, text, rank=_RANK if _WORLD > 1 else None))
+            site = _sites.setdefault(key, Site(code, shown_as, lineno, text, rank=_RANK if _WORLD > 1 else None,
+                                               span=where, source=source))
         if not _run.torchrun() and not _run.claim(code, site.filename, lineno):
             site.shown = True  # another process of the run (a worker, the parent) shows this site's warning
-        _run.record(code, site.filename, lineno, site.message, 1, site.first_seen)  # now: a child may os._exit
+        _run.record(code, site.filename, lineno, site.message, 1, site.first_seen,  # now: a child may os._exit
+                    site.span, site.source)
     rule = _rule(code)
     if strict:  # every rank raises; the site stays in the summary and the JSON report
         site.shown = True
@@ -227,6 +236,22 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         # No module_globals, as warnings.warn itself does: the loader lookup they trigger raises for `python -c`
         # ("'__main__' is not a built-in module") and for runpy'd modules; linecache finds files and notebook cells.
     )
+
+
+def _span(filename: str, lineno: int, module_globals: dict[str, Any], at: tuple[CodeType, int] | None
+          ) -> tuple[tuple[int, int, int, int] | None, str | None]:
+    """The finding's expression and its source text, once per site (None, None when unknown, or not on its line)."""
+    if at is None:
+        return None, None
+    try:
+        from ._callsite import span, span_source
+
+        where = span(*at)
+        if where is None or where[0] != lineno:
+            return None, None
+        return where, span_source(filename, where, module_globals)
+    except Exception:  # a message's detail: the finding is reported without it
+        return None, None
 
 
 def suppressed(code: str, filename: str, lineno: int, module_globals: dict[str, Any]) -> bool:
@@ -476,7 +501,7 @@ def format_summary(others: list[dict[str, Any]] | None = None) -> str:
 def _local_entries() -> list[dict[str, Any]]:
     return [{"code": s.code, "file": s.filename, "line": s.lineno, "count": s.count, "message": s.message,
              "pids": [os.getpid()], "ranks": [] if s.rank is None else [s.rank], "first_seen": s.first_seen,
-             "host": _run._host()}
+             "host": _run._host(), "span": s.span, "source": s.source}
             for s in findings()]
 
 
@@ -542,7 +567,8 @@ def exit_summary() -> None:
     try:
         for site in list(_sites.values()):  # each site's final count, for the run's report
             if not site.suppressed and site.count > 1:
-                _run.record(site.code, site.filename, site.lineno, site.message, site.count, site.first_seen)
+                _run.record(site.code, site.filename, site.lineno, site.message, site.count, site.first_seen,
+                            site.span, site.source)
         _run.gather()  # a rank of a job: every other rank's findings, from the job's store
         cfg = _config.current
         if not _run.owner():  # a child or worker of the run: the process that owns it reports

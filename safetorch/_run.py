@@ -188,11 +188,13 @@ def _host() -> str:
     return str(host)
 
 
-def record(code: str, filename: str, lineno: int, message: str, count: int, first_seen: float | None = None) -> None:
+def record(code: str, filename: str, lineno: int, message: str, count: int, first_seen: float | None = None,
+           span: tuple[int, int, int, int] | None = None, source: str | None = None) -> None:
     """Append one site of this process to its part, flushed: a first occurrence, or a final count; and put it into
     the job's store when this process is a rank of a job (`gather`)."""
     entry = {"code": code, "file": filename, "line": lineno, "message": message, "count": count,
-             "pid": os.getpid(), "rank": _rank(), "host": _host(), "first_seen": first_seen}
+             "pid": os.getpid(), "rank": _rank(), "host": _host(), "first_seen": first_seen,
+             "span": list(span) if span is not None else None, "source": source}
     try:
         with _lock:
             part = _part()
@@ -232,6 +234,9 @@ def _valid(entry: Any) -> bool:
             and number(entry.get("count")) and entry["count"] > 0 and number(entry.get("pid"))
             and (entry.get("rank") is None or number(entry["rank"]))
             and isinstance(entry.get("host", ""), str)
+            and (entry.get("span") is None or (isinstance(entry["span"], list) and len(entry["span"]) == 4
+                                               and all(v is None or number(v) for v in entry["span"])))
+            and (entry.get("source") is None or isinstance(entry["source"], str))
             and (entry.get("first_seen") is None or (isinstance(entry["first_seen"], (int, float))
                                                      and not isinstance(entry["first_seen"], bool))))
 
@@ -329,6 +334,8 @@ def merged(own: list[dict[str, Any]] | None = None, remote: list[dict[str, Any]]
         seen = e.get("first_seen")
         if isinstance(seen, (int, float)) and (entry.get("first_seen") is None or seen < entry["first_seen"]):
             entry["first_seen"] = seen
+        if entry.get("span") is None and e.get("span") is not None:
+            entry["span"], entry["source"] = e.get("span"), e.get("source")
     for key, entry in sites.items():
         entry["count"] = sum(counts[key].values())
         entry["pids"].sort(key=lambda p: (p is None, p or 0))

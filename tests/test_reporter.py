@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import textwrap
 
 from .conftest import run_python
@@ -68,7 +69,10 @@ def test_exit_summary_and_json(tmp_path: os.PathLike[str]) -> None:
     assert abs((datetime.datetime.now(datetime.timezone.utc) - first_seen).total_seconds()) < 600
     assert data == [{"rule": "ST001", "name": "discarded-conversion", "path": script, "abspath": script, "line": 5,
                      "count": 3, "rank": None, "ranks": [], "message": data[0]["message"],
-                     "code": "ST001", "file": script}]
+                     "code": "ST001", "file": script,
+                     # the call's place and text, from the bytecode positions (none before Python 3.11)
+                     **({"col": 4, "end_line": 5, "end_col": 14, "source": "x.double()"} if sys.version_info >= (3, 11)
+                        else {"col": None, "end_line": None, "end_col": None, "source": None})}]
     assert data[0]["message"].startswith("ST001 x.double()")
     assert data[0]["message"].endswith("Write: x = x.double() (safetorch explain ST001)")
     silent = run_python(f"import runpy; runpy.run_path({script!r}, run_name='__main__')",

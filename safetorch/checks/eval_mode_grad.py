@@ -136,8 +136,8 @@ _eval_codes: set[str] = set()  # which of ST003 / ST008 are installed (guards fo
 class _Site:
     """One call site of one module: its decision and what the watched first forward showed."""
 
-    __slots__ = ("acts", "backward", "due", "filename", "globals", "graph", "kind", "lineno", "module", "name", "needs",
-                 "origin", "state", "st008", "watched", "__weakref__")
+    __slots__ = ("acts", "at", "backward", "due", "filename", "globals", "graph", "kind", "lineno", "module", "name",
+                 "needs", "origin", "state", "st008", "watched", "__weakref__")
 
     WATCHING, TRAIN, EVAL, FROZEN = "watching", "train", "eval", "frozen"
 
@@ -146,6 +146,7 @@ class _Site:
         self.filename = frame.f_code.co_filename
         self.lineno = frame.f_lineno
         self.globals = frame.f_globals
+        self.at = (frame.f_code, frame.f_lasti)  # the forward's call: the finding's expression
         self.name = callee(frame) or "model"
         self.kind = type(module).__name__
         self.state = _Site.WATCHING
@@ -423,7 +424,7 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
         return _module_call_impl(module, *args, **kwargs)  # a warnings filter switched ST003 off here: as written
     if site.state is _Site.EVAL:
         # Every forward counts in the summary, and a warning first hit under an ignore filter is shown later.
-        report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site))  # raises in strict mode
+        report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site), site.at)  # strict: raises
     return _checkpointed(module, site, args, kwargs)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .. import _backward
-from .._callsite import accumulates, call_source
+from .._callsite import accumulates, call_source, source_line
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
@@ -48,26 +48,38 @@ _is_compiling = is_compiling
 _NUMBER = (int, float, complex)
 
 
+def _accumulation(frame: FrameType) -> Any:
+    """The accumulation the frame executes, parsed: its expression (3.11+), else its line's only accumulation."""
+    text = call_source(frame)
+    try:
+        if text:
+            return ast.parse(text.strip(), mode="exec").body[0]
+        found = [n for n in ast.walk(ast.parse(source_line(frame))) if isinstance(n, ast.AugAssign) or (
+            isinstance(n, ast.Assign) and isinstance(n.value, ast.BinOp) and isinstance(n.value.op, ast.Add))]
+    except SyntaxError:
+        return None
+    if len(found) != 1:
+        return None
+    return ast.Expr(found[0].value) if isinstance(found[0], ast.Assign) else found[0]
+
+
 def _message(frame: FrameType, value: torch.Tensor) -> str:
     fix = ".item()" if value.numel() == 1 else ".detach()"
     target = addend = None
     op = "+="
-    text = call_source(frame)
-    try:
-        node: Any = ast.parse(text.strip(), mode="exec").body[0] if text else None
-    except SyntaxError:
-        node = None
+    node = _accumulation(frame)
     if isinstance(node, ast.AugAssign):
         target, addend = ast.unparse(node.target), node.value
     elif isinstance(node, ast.Expr) and isinstance(node.value, ast.BinOp):  # acc = acc + x: the BinOp's text
         target, addend = ast.unparse(node.value.left), node.value.right
         op = f"= {target} +"
-    if target is None or addend is None:
-        target, shown = "total", "loss"
-    else:
-        shown = ast.unparse(addend)
-        if not isinstance(addend, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
-            shown = f"({shown})"
+    if target is None or addend is None:  # not known which accumulation of the line this is: no names
+        return (f"{CODE} an accumulation at this line adds a tensor that requires grad to a Python number: the "
+                f"accumulator becomes a tensor that keeps the autograd graph of every step it sums, and memory grows "
+                f"every step. Write: <accumulator> += <tensor>{fix}")
+    shown = ast.unparse(addend)
+    if not isinstance(addend, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
+        shown = f"({shown})"
     return (f"{CODE} {target} {op} {shown} adds a tensor that requires grad to a Python number: {target} becomes "
             f"a tensor that keeps the autograd graph of every step it sums, and memory grows every step. "
             f"Write: {target} {op} {shown}{fix}")
@@ -90,6 +102,7 @@ class _Watch:
     module_globals: dict[str, Any]
     message: str
     backwards: int = 0
+    at: tuple[Any, int] | None = None  # the accumulation's code object and instruction (the finding's expression)
 
 
 _watches: dict[tuple[str, int], _Watch] = {}
@@ -133,7 +146,8 @@ def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
     key = (frame.f_code.co_filename, frame.f_lineno)
     known = _watches.get(key)
     if isinstance(result, torch.Tensor) and (known is None or known.result() is None):
-        _watches[key] = _Watch(weakref.ref(result), key[0], key[1], frame.f_globals, _message(frame, value))
+        _watches[key] = _Watch(weakref.ref(result), key[0], key[1], frame.f_globals, _message(frame, value),
+                               at=(frame.f_code, frame.f_lasti))
 
 
 def _before_backward(tensors: Any) -> None:
@@ -151,7 +165,7 @@ def _before_backward(tensors: Any) -> None:
                 watch.backwards += 1
                 if watch.backwards >= 2:  # it has outlived a whole step: it accumulates across steps
                     del _watches[key]
-                    report_at(CODE, watch.filename, watch.lineno, watch.module_globals, watch.message)
+                    report_at(CODE, watch.filename, watch.lineno, watch.module_globals, watch.message, watch.at)
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
