@@ -418,6 +418,9 @@ failing_exit = False
 
 #: A host prints the summary itself (pytest's plugin, in its terminal summary): at exit, only the JSON is written.
 summary_by_host = False
+#: Where the document of ``--format json|sarif`` goes at exit: the runner's own stdout, kept as this file descriptor
+#: while the program's stdout goes to stderr (`safetorch.__main__`); None: ``sys.__stdout__``.
+document_fd: int | None = None
 
 
 def shown_here(site: Site) -> bool:
@@ -555,8 +558,12 @@ def exit_summary() -> None:
             if text and (_RANK == 0 or not _run.torchrun()):  # under torchrun, rank 0 prints the job's
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()  # the program's own output first
-                out = sys.__stdout__ or sys.stdout  # not where the program redirected sys.stdout
-                print(text, file=out, flush=True)
+                if document_fd is not None:
+                    with open(document_fd, "w", encoding="utf-8", closefd=False) as out:
+                        print(text, file=out, flush=True)
+                else:
+                    out = sys.__stdout__ or sys.stdout  # not where the program redirected sys.stdout
+                    print(text, file=out, flush=True)
             _run.finish()
             return
         others = _from_others()

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -144,6 +145,40 @@ def test_json_report_fields(buggy: str, tmp_path: os.PathLike[str]) -> None:
         assert entry["pids"] == [entry["pid"]] and entry["rank"] is None
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", entry["first_seen"])
         assert entry["message"].endswith(f"(safetorch explain {entry['rule']})")
+
+
+PRINTING = textwrap.dedent("""\
+    import subprocess, sys, torch
+    print("epoch 1 loss 0.25 [")
+    x = torch.ones(2)
+    x.double()
+    subprocess.run([sys.executable, "-c", "print('from a child process {')"], check=True)
+    sys.stdout.write("no newline at the end")
+""")
+
+
+@pytest.mark.parametrize("fmt", ["json", "sarif"])
+def test_a_machine_format_owns_stdout_and_the_programs_output_goes_to_stderr(fmt: str,
+                                                                             tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "train.py"), "w") as fh:
+        fh.write(PRINTING)
+    proc = _safetorch(["--format", fmt, "train.py"], str(tmp_path))
+    assert proc.returncode == 1, proc.stderr
+
+    def places(document: Any) -> list[tuple[str, int]]:
+        if fmt == "sarif":
+            return [(r["ruleId"], r["locations"][0]["physicalLocation"]["region"]["startLine"])
+                    for r in document["runs"][0]["results"]]
+        return [(e["rule"], e["line"]) for e in document]
+
+    assert places(json.loads(proc.stdout)) == [("ST001", 4)]  # the whole of stdout, as `> out.json` keeps it
+    for printed in ("epoch 1 loss 0.25 [", "from a child process {", "no newline at the end"):
+        assert printed in proc.stderr and printed not in proc.stdout
+    # with a named file the document goes there, and the program keeps its stdout
+    named = _safetorch(["--format", fmt, "--report", "out.json", "train.py"], str(tmp_path))
+    assert named.stdout == "epoch 1 loss 0.25 [\nfrom a child process {\nno newline at the end"
+    with open(os.path.join(tmp_path, "out.json")) as fh:
+        assert places(json.load(fh)) == [("ST001", 4)]
 
 
 def _sarif_schema() -> dict[str, object]:
