@@ -33,9 +33,9 @@ def _iso(seconds: float | None) -> str | None:
 
 def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each site as the JSON report has it: ``rule`` and ``name``; ``path`` as the program named its file,
-    ``abspath``; ``line``; ``count`` over every process; ``pid``/``pids`` and ``rank``/``ranks`` of the processes
-    that found it; ``first_seen`` (ISO 8601, UTC); ``message``. ``code`` and ``file`` repeat ``rule`` and
-    ``path`` (the names of the report's first version)."""
+    ``abspath``; ``line``; ``count`` over every process (``sampled``: a count of the steps looked at, not of every
+    step); ``pid``/``pids`` and ``rank``/``ranks`` of the processes that found it; ``first_seen`` (ISO 8601, UTC);
+    ``message``. ``code`` and ``file`` repeat ``rule`` and ``path`` (the names of the report's first version)."""
     rules = _rules()
     out = []
     for e in raw:
@@ -46,7 +46,7 @@ def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({
             "rule": code, "name": rule.name if rule is not None else None,
             "path": path, "abspath": os.path.abspath(path) if not path.startswith("<") else path,
-            "line": e["line"], "count": e["count"],
+            "line": e["line"], "count": e["count"], "sampled": bool(rule is not None and rule.sampled),
             "pid": pids[0] if pids else None, "pids": pids,
             "rank": ranks[0] if ranks else None, "ranks": ranks,
             "first_seen": _iso(e.get("first_seen")),
@@ -92,7 +92,8 @@ def sarif(items: list[dict[str, Any]], version: str) -> dict[str, Any]:
             {"physicalLocation": {"artifactLocation": artifact, "region": {"startLine": max(1, int(e["line"]))}}}]
         result: dict[str, Any] = {"ruleId": e["rule"], "level": "warning", "message": {"text": e["message"]},
                                   "locations": locations,
-                                  "properties": {"count": e["count"], "pids": e["pids"], "ranks": e["ranks"]}}
+                                  "properties": {"count": e["count"], "sampled": e["sampled"], "pids": e["pids"],
+                                                 "ranks": e["ranks"]}}
         if e["rule"] in index:
             result["ruleIndex"] = index[e["rule"]]
         results.append(result)
@@ -121,7 +122,10 @@ def github(items: list[dict[str, Any]]) -> str:
     lines = []
     for e in items:
         title = f"{e['rule']} {e['name'] or ''}".strip()
-        if e["count"] > 1:
+        rule = _rules().get(e["rule"])
+        if rule is not None and rule.sampled:
+            title += f" (seen at {e['count']} sampled step{'s' if e['count'] != 1 else ''})"
+        elif e["count"] > 1:
             title += f" (x{e['count']})"
         lines.append(f"::warning file={_escape_property(_relative(e['path']))},line={e['line']},"
                      f"title={_escape_property(title)}::{_escape_data(e['message'])}")
