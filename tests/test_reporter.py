@@ -67,7 +67,7 @@ def test_exit_summary_and_json(tmp_path: os.PathLike[str]) -> None:
     first_seen = datetime.datetime.fromisoformat(data[0].pop("first_seen"))
     assert abs((datetime.datetime.now(datetime.timezone.utc) - first_seen).total_seconds()) < 600
     assert data == [{"rule": "ST001", "name": "discarded-conversion", "path": script, "abspath": script, "line": 5,
-                     "count": 3, "rank": None, "ranks": [], "message": data[0]["message"],
+                     "count": 3, "sampled": False, "rank": None, "ranks": [], "message": data[0]["message"],
                      "code": "ST001", "file": script}]
     assert data[0]["message"].startswith("ST001 x.double()")
     assert data[0]["message"].endswith("Write: x = x.double() (safetorch explain ST001)")
