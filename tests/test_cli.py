@@ -206,6 +206,9 @@ def test_a_machine_format_owns_stdout_and_the_programs_output_goes_to_stderr(fmt
     assert named.stdout == "epoch 1 loss 0.25 [\nfrom a child process {\nno newline at the end"
     with open(os.path.join(tmp_path, "out.json")) as fh:
         assert places(json.load(fh)) == [("ST001", 4)]
+    helped = " ".join(_safetorch(["--help"], str(tmp_path)).stdout.split())
+    assert "json / sarif: the report on stdout at exit, which it owns: the program's own stdout goes to stderr" \
+        in helped
 
 
 def _sarif_schema() -> dict[str, object]:
