@@ -133,6 +133,11 @@ def test_a_sampled_count_says_it_is_one(tmp_path: os.PathLike[str]) -> None:
     script = os.path.join(tmp_path, "train.py")
     assert f"  ST011 {script}:6 (seen at 7 sampled steps): opt.step() uses the sum of the gradients of every step " \
         "so far\n" in text.stderr
+    concise = _safetorch(["--format", "concise", "train.py"], str(tmp_path))
+    assert concise.stderr.splitlines()[0] == (  # a fix that is no "Write:" is the concise line's too
+        f"{script}:6: GradientsAccumulateWarning: ST011 opt.step() uses the sum of the gradients of every step so "
+        "far. Call opt.zero_grad() once per step: before loss.backward(), or right after opt.step() (to accumulate "
+        "over several batches on purpose, zero after each step) (safetorch explain ST011)")
     github = _safetorch(["--format", "github", "train.py"], str(tmp_path))
     assert github.stdout.startswith("::warning file=train.py,line=6,title=ST011 gradients-accumulate-across-steps "
                                     "(seen at 7 sampled steps)::ST011 ")
