@@ -187,7 +187,7 @@ def _one_line_showwarning(previous: Any) -> Any:
     return showwarning
 
 
-_show_lock = threading.Lock()
+_show_lock = threading.RLock()  # reentrant: a showwarning that leads to another finding does not deadlock
 
 
 def _warn_one_line(*args: Any, **kwargs: Any) -> None:
