@@ -138,6 +138,12 @@ def _own_stdout(fmt: str, report: bool | str) -> None:
     except (OSError, AttributeError, ValueError):
         return  # no stdout or stderr to speak of: the document goes where sys.stdout goes
     _report.document_fd = saved
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:  # buffered for the file stdout was; on stderr now, its lines come as they are printed
+        try:
+            reconfigure(line_buffering=True)
+        except (OSError, ValueError):
+            pass
 
 
 def _join_threads() -> None:

@@ -194,7 +194,7 @@ def test_a_machine_format_owns_stdout_and_the_programs_output_goes_to_stderr(fmt
                                                                              tmp_path: os.PathLike[str]) -> None:
     with open(os.path.join(tmp_path, "train.py"), "w") as fh:
         fh.write(PRINTING)
-    proc = _safetorch(["--format", fmt, "train.py"], str(tmp_path))
+    proc = _safetorch(["--format", fmt, "train.py"], str(tmp_path), PYTHONUNBUFFERED="")  # stdout: buffered
     assert proc.returncode == 1, proc.stderr
 
     def places(document: Any) -> list[tuple[str, int]]:
@@ -206,6 +206,9 @@ def test_a_machine_format_owns_stdout_and_the_programs_output_goes_to_stderr(fmt
     assert places(json.loads(proc.stdout)) == [("ST001", 4)]  # the whole of stdout, as `> out.json` keeps it
     for printed in ("epoch 1 loss 0.25 [", "from a child process {", "no newline at the end"):
         assert printed in proc.stderr and printed not in proc.stdout
+    # in the order it was printed: line by line, not held in the buffer of a stdout that was a pipe
+    assert proc.stderr.index("epoch 1 loss 0.25 [") < proc.stderr.index("DiscardedConversionWarning") < \
+        proc.stderr.index("from a child process {")
     # with a named file the document goes there, and the program keeps its stdout
     named = _safetorch(["--format", fmt, "--report", "out.json", "train.py"], str(tmp_path))
     assert named.stdout == "epoch 1 loss 0.25 [\nfrom a child process {\nno newline at the end"
