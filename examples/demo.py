@@ -90,8 +90,8 @@ checkpoint = {f"module.{k}": v for k, v in model.state_dict().items()}  # saved 
 model.load_state_dict(checkpoint, strict=False)  # ST014: loaded nothing: the keys start with 'module.'
 
 backbone = nn.Linear(4, 4)
-backbone.requires_grad = False  # meant to freeze it: an attribute, not requires_grad_(False)
-torch.optim.SGD(backbone.parameters(), lr=0.01)  # ST015: the backbone will be trained
+backbone.requires_grad = False  # ST015: an attribute, not requires_grad_(False): the backbone will be trained
+torch.optim.SGD(backbone.parameters(), lr=0.01)  # what proves it: the optimizer holds the backbone's parameters
 
 # A wrapper that keeps master weights and copies them back after every step, built after the optimizer.
 master = [p.detach().clone() for p in probe.parameters()]

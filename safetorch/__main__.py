@@ -68,9 +68,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="also write the report to PATH (JSON; SARIF with --format sarif), or 0: no summary "
                              "(SAFETORCH_REPORT)")
     parser.add_argument("--format", choices=_config.FORMATS,
-                        help="text: warnings in full, one line per finding at exit (the default); concise: warnings "
-                             "in one line too; json / sarif: the report on stdout at exit (or in --report's file); "
-                             "github: workflow commands, annotations on a pull request (SAFETORCH_FORMAT)")
+                        help="text: warnings in full, one line per finding at exit (the default); concise: one "
+                             "line per warning, its fix included; json / sarif: the report on stdout at exit, which "
+                             "it owns: the program's own stdout goes to stderr (with --report PATH the document "
+                             "goes to PATH and the program keeps its stdout); github: workflow commands, "
+                             "annotations on a pull request (SAFETORCH_FORMAT)")
     parser.add_argument("--exit-zero", action="store_true",
                         help="exit 0 when the program succeeded, whatever was found")
     parser.add_argument("-m", dest="module", metavar="module", nargs=argparse.REMAINDER,
@@ -118,6 +120,30 @@ def _explain_command(argv: list[str]) -> int:
     except BrokenPipeError:  # `safetorch explain ST003 | head`
         sys.stdout = None  # type: ignore[assignment]  (nothing more to flush at exit)
     return 0
+
+
+def _own_stdout(fmt: str, report: bool | str) -> None:
+    """Under ``--format json|sarif`` with no ``--report`` file the document owns stdout, as ruff's does: the
+    program's own stdout goes to stderr for the whole run (file descriptor 1 itself, so that its subprocesses, spawned
+    workers and C extensions follow), and the document is written at exit to the stdout the runner was given.
+    ``python -m safetorch --format json train.py > findings.json`` is then a valid document, whatever it prints."""
+    from safetorch import _report
+
+    if fmt not in ("json", "sarif") or report is not True:
+        return  # text, concise, github; a --report file; or no report at all (--report 0)
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)  # not inheritable: the program's children never see it
+        os.dup2(2, 1)
+    except (OSError, AttributeError, ValueError):
+        return  # no stdout or stderr to speak of: the document goes where sys.stdout goes
+    _report.document_fd = saved
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:  # buffered for the file stdout was; on stderr now, its lines come as they are printed
+        try:
+            reconfigure(line_buffering=True)
+        except (OSError, ValueError):
+            pass
 
 
 def _join_threads() -> None:
@@ -203,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         from safetorch import _fixtrace
 
         _fixtrace.start(trace)
+    _own_stdout(_config.current.format, _config.current.report)
     try:
         status = _launch.run(module, args)
     except SystemExit as exc:

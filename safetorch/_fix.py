@@ -917,12 +917,13 @@ def _fix_st015(tree: _Tree, f: Finding) -> list[Edit] | str:
     edits: list[Edit] = []
     reasons: list[str] = []
     for segment in f.message.split("; and "):
-        module = "set an attribute of the module" in segment
-        places = re.search(r" in its place, at (.+?)(?: and \d+ more)?(?: \(safetorch explain|$)", segment)
-        if places is None:
+        module = "an attribute of the module" in segment
+        if " sets an attribute " in segment:  # reported at the assignment itself
+            places = [f"{f.path}:{f.line}"]
+        else:  # an assignment made before the check was installed: at the optimizer's line, no place known
             reasons.append("the finding names no line that set the attribute")
             continue
-        for place in places.group(1).split(", "):
+        for place in places:
             filename, _, line = place.rpartition(":")
             if not line.isdigit() or os.path.normpath(os.path.abspath(filename)) != tree.path and \
                     os.path.basename(filename) != os.path.basename(tree.path):

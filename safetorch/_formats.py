@@ -33,11 +33,12 @@ def _iso(seconds: float | None) -> str | None:
 
 def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each site as the JSON report has it: ``rule`` and ``name``; ``path`` as the program named its file,
-    ``abspath``; ``line``; ``count`` over every process; ``pid``/``pids``, ``rank``/``ranks`` and ``hosts`` of the
-    processes that found it; ``first_seen`` (ISO 8601, UTC); ``message``. ``code`` and ``file`` repeat ``rule`` and
-    ``path`` (the names of the report's first version). ``col``, ``end_line`` and ``end_col`` place the expression
-    the finding is about as Python's ``ast`` does (columns from 0, in UTF-8 bytes), and ``source`` is its text (what
-    ``safetorch fix`` rewrites): all null when unknown (before Python 3.11, or a finding made after its line ran)."""
+    ``abspath``; ``line``; ``count`` over every process (``sampled``: a count of the steps looked at, not of every
+    step); ``pid``/``pids``, ``rank``/``ranks`` and ``hosts`` of the processes that found it; ``first_seen`` (ISO
+    8601, UTC); ``message``. ``code`` and ``file`` repeat ``rule`` and ``path`` (the names of the report's first
+    version). ``col``, ``end_line`` and ``end_col`` place the expression the finding is about as Python's ``ast``
+    does (columns from 0, in UTF-8 bytes), and ``source`` is its text (what ``safetorch fix`` rewrites): all null
+    when unknown (before Python 3.11, or a finding made after its line ran)."""
     rules = _rules()
     out = []
     for e in raw:
@@ -48,7 +49,7 @@ def entries(raw: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append({
             "rule": code, "name": rule.name if rule is not None else None,
             "path": path, "abspath": os.path.abspath(path) if not path.startswith("<") else path,
-            "line": e["line"], "count": e["count"],
+            "line": e["line"], "count": e["count"], "sampled": bool(rule is not None and rule.sampled),
             "pid": pids[0] if pids else None, "pids": pids,
             "rank": ranks[0] if ranks else None, "ranks": ranks, "hosts": sorted(e.get("hosts") or ()),
             "first_seen": _iso(e.get("first_seen")),
@@ -104,7 +105,8 @@ def sarif(items: list[dict[str, Any]], version: str) -> dict[str, Any]:
             {"physicalLocation": {"artifactLocation": artifact, "region": {"startLine": max(1, int(e["line"]))}}}]
         result: dict[str, Any] = {"ruleId": e["rule"], "level": "warning", "message": {"text": e["message"]},
                                   "locations": locations,
-                                  "properties": {"count": e["count"], "pids": e["pids"], "ranks": e["ranks"]}}
+                                  "properties": {"count": e["count"], "sampled": e["sampled"], "pids": e["pids"],
+                                                 "ranks": e["ranks"]}}
         if e["rule"] in index:
             result["ruleIndex"] = index[e["rule"]]
         results.append(result)
@@ -133,7 +135,10 @@ def github(items: list[dict[str, Any]]) -> str:
     lines = []
     for e in items:
         title = f"{e['rule']} {e['name'] or ''}".strip()
-        if e["count"] > 1:
+        rule = _rules().get(e["rule"])
+        if rule is not None and rule.sampled:
+            title += f" (seen at {e['count']} sampled step{'s' if e['count'] != 1 else ''})"
+        elif e["count"] > 1:
             title += f" (x{e['count']})"
         lines.append(f"::warning file={_escape_property(_relative(e['path']))},line={e['line']},"
                      f"title={_escape_property(title)}::{_escape_data(e['message'])}")

@@ -146,6 +146,68 @@ def first_clause(code: str, message: str) -> str:
     return text[:cut].rstrip(".;")
 
 
+#: Where a message's fix begins: its last "Write:", else the last clause that starts with what to do.
+_WRITE = re.compile(r"(?:^|[.;:] )(Write:)")
+_DO = re.compile(r"(?:^|[.;:] )((?:Write|Call|Pass|Build|Use|Move|Assign|Put|Remove|write|call|pass|use|load) )")
+
+
+def fix_clause(code: str, message: str) -> str:
+    """The fix a message names, from its "Write: …" (or the clause that says what to do) to its end, without the
+    pointer to the rule's page; '' when it names none."""
+    text = " ".join(message.split()).removeprefix(code).strip().removesuffix(explain_hint(code)).rstrip()
+    found = list(_WRITE.finditer(text)) or list(_DO.finditer(text))
+    if not found:
+        return ""
+    fix = text[found[-1].start(1):]
+    return fix[:1].upper() + fix[1:]
+
+
+def counted(code: str, count: int) -> str:
+    """A site's count as the summary shows it: ``x3``, or ``seen at 7 sampled steps`` for a rule that looks only at
+    sampled steps (its count is not every step's)."""
+    _rule("ST001")  # the table, read
+    rule = _RULES.get(code)
+    if rule is not None and rule.sampled:
+        return f"seen at {count} sampled step{'s' if count != 1 else ''}"
+    return f"x{count}"
+
+
+def concise_line(code: str, message: str) -> str:
+    """A finding in one line: its code, its first clause, its fix, its rule's page."""
+    head = first_clause(code, message)
+    fix = fix_clause(code, message)
+    if fix and fix not in head:
+        head = f"{head}. {fix}"
+    return f"{code} {head} {explain_hint(code)}"
+
+
+def _one_line_showwarning(previous: Any) -> Any:
+    """``warnings.showwarning`` while a concise warning is shown: the previous one (Python's, pytest's recorder,
+    logging's), given an empty source line, so that the warning is the one line ``file:line: Category: message``."""
+
+    def showwarning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                    line: str | None = None) -> None:
+        previous(message, category, filename, lineno, file, "")
+
+    return showwarning
+
+
+_show_lock = threading.RLock()  # reentrant: a showwarning that leads to another finding does not deadlock
+
+
+def _warn_one_line(*args: Any, **kwargs: Any) -> None:
+    """`warnings.warn_explicit`, shown without the source line below it (the concise format)."""
+    __tracebackhide__ = True  # noqa: F841
+    with _show_lock:
+        previous = warnings.showwarning
+        ours = warnings.showwarning = _one_line_showwarning(previous)
+        try:
+            warnings.warn_explicit(*args, **kwargs)
+        finally:
+            if warnings.showwarning is ours:  # not if the program replaced it meanwhile
+                warnings.showwarning = previous
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))
@@ -226,8 +288,8 @@ def report_at(code: str, filename: str, lineno: int, module_globals: dict[str, A
         return
     site.shown = site.warned = True  # before the call: a filter set to "error" raises the warning: it was shown
     concise = _config.current.format == "concise"
-    warnings.warn_explicit(
-        f"{code} {first_clause(code, site.message)} {explain_hint(code)}" if concise else site.message,
+    (_warn_one_line if concise else warnings.warn_explicit)(
+        concise_line(code, site.message) if concise else site.message,
         rule.category,
         site.filename,
         lineno,
@@ -448,6 +510,9 @@ failing_exit = False
 
 #: A host prints the summary itself (pytest's plugin, in its terminal summary): at exit, only the JSON is written.
 summary_by_host = False
+#: Where the document of ``--format json|sarif`` goes at exit: the runner's own stdout, kept as this file descriptor
+#: while the program's stdout goes to stderr (`safetorch.__main__`); None: ``sys.__stdout__``.
+document_fd: int | None = None
 
 
 def shown_here(site: Site) -> bool:
@@ -485,14 +550,14 @@ def format_summary(others: list[dict[str, Any]] | None = None) -> str:
     lines = [head]
     for s in sites:  # a warning shown in full is one line here: where, how often, what
         text = first_clause(s.code, s.message) if s.warned else s.message.splitlines()[0].removeprefix(s.code).strip()
-        lines.append(f"  {s.code} {s.filename}:{s.lineno} (x{s.count}): {text}")
+        lines.append(f"  {s.code} {s.filename}:{s.lineno} ({counted(s.code, s.count)}): {text}")
     for e in others + ranks:
         text = e["message"].splitlines()[0].removeprefix(e["code"]).strip()
         where = ", ".join(f"rank {r}" for r in e["ranks"]) if e.get("ranks") else \
             ", ".join(f"pid {p}" for p in e["pids"])
         if len(e.get("hosts", ())) > 1 or (e.get("hosts") and e["hosts"] != [_run._host()]):
             where += " on " + ", ".join(e["hosts"])
-        lines.append(f"  {e['code']} {e['file']}:{e['line']} (x{e['count']}, {where}): {text}")
+        lines.append(f"  {e['code']} {e['file']}:{e['line']} ({counted(e['code'], e['count'])}, {where}): {text}")
     if failing_exit:
         lines.append("safetorch: exit status 1 for these findings (the program itself succeeded; --exit-zero: 0)")
     return "\n".join(lines)
@@ -589,8 +654,12 @@ def exit_summary() -> None:
             if text and (_RANK == 0 or not _run.torchrun()):  # under torchrun, rank 0 prints the job's
                 with contextlib.suppress(Exception):
                     sys.stdout.flush()  # the program's own output first
-                out = sys.__stdout__ or sys.stdout  # not where the program redirected sys.stdout
-                print(text, file=out, flush=True)
+                if document_fd is not None:
+                    with open(document_fd, "w", encoding="utf-8", closefd=False) as out:
+                        print(text, file=out, flush=True)
+                else:
+                    out = sys.__stdout__ or sys.stdout  # not where the program redirected sys.stdout
+                    print(text, file=out, flush=True)
             _run.finish()
             return
         others = _from_others()

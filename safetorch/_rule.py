@@ -21,6 +21,9 @@ class Rule:
     #: Under torchrun every rank runs the same code, so a finding is printed by rank 0 only; a per-rank finding
     #: (a NaN loss on one rank's data) is printed by each rank that sees it, with its rank.
     per_rank: bool = False
+    #: Seen only at the steps `safetorch._steps` looks at (an optimizer's first 8, then two every 1024 backwards): its
+    #: count is of those, not of every step that had it, and the summary says so ("seen at 7 sampled steps").
+    sampled: bool = False
     #: The check module under ``safetorch.checks`` that installs it (set by `safetorch._rules` when it collects).
     module: str = ""
 

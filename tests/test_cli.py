@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 
@@ -102,14 +103,46 @@ def test_messages_end_with_their_rule_page_and_the_summary_is_one_line_each(bugg
     assert summary[2].endswith("(x1): model (Linear) is in eval mode with autograd on")  # its first clause only
 
 
-def test_concise_format_prints_each_warning_in_one_line(buggy: str, tmp_path: os.PathLike[str]) -> None:
+def test_concise_format_prints_each_warning_in_one_line_with_its_fix(buggy: str, tmp_path: os.PathLike[str]) -> None:
     proc = _safetorch(["--format", "concise", buggy], str(tmp_path))
-    warnings = [ln for ln in proc.stderr.splitlines() if "Warning: ST0" in ln]
-    assert warnings == [
-        f"{buggy}:4: DiscardedConversionWarning: ST001 x.double() returns a copy and its result is discarded "
-        "(safetorch explain ST001)",
-        f"{buggy}:7: EvalModeGradWarning: ST003 model (Linear) is in eval mode with autograd on "
+    summary = proc.stderr.index("safetorch: 2 finding(s)")
+    assert proc.stderr[:summary].splitlines() == [  # nothing else: no source line below a warning
+        f"{buggy}:4: DiscardedConversionWarning: ST001 x.double() returns a copy and its result is discarded. "
+        "Write: x = x.double() (safetorch explain ST001)",
+        f"{buggy}:7: EvalModeGradWarning: ST003 model (Linear) is in eval mode with autograd on. Write: `with "
+        "torch.no_grad():` around the evaluation (or model.train() if you train through this forward) "
         "(safetorch explain ST003)"]
+
+
+SAMPLED = textwrap.dedent("""\
+    import torch
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(24):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+""")
+
+
+def test_a_sampled_count_says_it_is_one(tmp_path: os.PathLike[str]) -> None:
+    """ST011 looks at an optimizer's first 8 steps (then two every 1024 backwards): of 24 steps without zero_grad(),
+    it sees 7 (the first has nothing to accumulate) — a count of sampled steps, not of the 23 that accumulated."""
+    with open(os.path.join(tmp_path, "train.py"), "w") as fh:
+        fh.write(SAMPLED)
+    text = _safetorch(["train.py"], str(tmp_path))
+    script = os.path.join(tmp_path, "train.py")
+    assert f"  ST011 {script}:6 (seen at 7 sampled steps): opt.step() uses the sum of the gradients of every step " \
+        "so far\n" in text.stderr
+    concise = _safetorch(["--format", "concise", "train.py"], str(tmp_path))
+    assert concise.stderr.splitlines()[0] == (  # a fix that is no "Write:" is the concise line's too
+        f"{script}:6: GradientsAccumulateWarning: ST011 opt.step() uses the sum of the gradients of every step so "
+        "far. Call opt.zero_grad() once per step: before loss.backward(), or right after opt.step() (to accumulate "
+        "over several batches on purpose, zero after each step) (safetorch explain ST011)")
+    github = _safetorch(["--format", "github", "train.py"], str(tmp_path))
+    assert github.stdout.startswith("::warning file=train.py,line=6,title=ST011 gradients-accumulate-across-steps "
+                                    "(seen at 7 sampled steps)::ST011 ")
+    document = json.loads(_safetorch(["--format", "json", "train.py"], str(tmp_path)).stdout)
+    assert [(e["rule"], e["count"], e["sampled"]) for e in document] == [("ST011", 7, True)]
 
 
 def test_github_format_is_workflow_commands(buggy: str, tmp_path: os.PathLike[str]) -> None:
@@ -137,13 +170,53 @@ def test_github_format_is_workflow_commands(buggy: str, tmp_path: os.PathLike[st
 def test_json_report_fields(buggy: str, tmp_path: os.PathLike[str]) -> None:
     proc = _safetorch(["--format", "json", "--exit-zero", "train.py"], str(tmp_path))
     data = json.loads(proc.stdout[proc.stdout.index("["):])
-    assert [(e["rule"], e["name"], e["line"], e["count"]) for e in data] == [
-        ("ST001", "discarded-conversion", 4, 3), ("ST003", "eval-mode-grad", 7, 1)]
+    assert [(e["rule"], e["name"], e["line"], e["count"], e["sampled"]) for e in data] == [
+        ("ST001", "discarded-conversion", 4, 3, False), ("ST003", "eval-mode-grad", 7, 1, False)]
     for entry in data:
         assert entry["abspath"] == buggy and os.path.isabs(entry["abspath"])
         assert entry["pids"] == [entry["pid"]] and entry["rank"] is None
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", entry["first_seen"])
         assert entry["message"].endswith(f"(safetorch explain {entry['rule']})")
+
+
+PRINTING = textwrap.dedent("""\
+    import subprocess, sys, torch
+    print("epoch 1 loss 0.25 [")
+    x = torch.ones(2)
+    x.double()
+    subprocess.run([sys.executable, "-c", "print('from a child process {')"], check=True)
+    sys.stdout.write("no newline at the end")
+""")
+
+
+@pytest.mark.parametrize("fmt", ["json", "sarif"])
+def test_a_machine_format_owns_stdout_and_the_programs_output_goes_to_stderr(fmt: str,
+                                                                             tmp_path: os.PathLike[str]) -> None:
+    with open(os.path.join(tmp_path, "train.py"), "w") as fh:
+        fh.write(PRINTING)
+    proc = _safetorch(["--format", fmt, "train.py"], str(tmp_path), PYTHONUNBUFFERED="")  # stdout: buffered
+    assert proc.returncode == 1, proc.stderr
+
+    def places(document: Any) -> list[tuple[str, int]]:
+        if fmt == "sarif":
+            return [(r["ruleId"], r["locations"][0]["physicalLocation"]["region"]["startLine"])
+                    for r in document["runs"][0]["results"]]
+        return [(e["rule"], e["line"]) for e in document]
+
+    assert places(json.loads(proc.stdout)) == [("ST001", 4)]  # the whole of stdout, as `> out.json` keeps it
+    for printed in ("epoch 1 loss 0.25 [", "from a child process {", "no newline at the end"):
+        assert printed in proc.stderr and printed not in proc.stdout
+    # in the order it was printed: line by line, not held in the buffer of a stdout that was a pipe
+    assert proc.stderr.index("epoch 1 loss 0.25 [") < proc.stderr.index("DiscardedConversionWarning") < \
+        proc.stderr.index("from a child process {")
+    # with a named file the document goes there, and the program keeps its stdout
+    named = _safetorch(["--format", fmt, "--report", "out.json", "train.py"], str(tmp_path))
+    assert named.stdout == "epoch 1 loss 0.25 [\nfrom a child process {\nno newline at the end"
+    with open(os.path.join(tmp_path, "out.json")) as fh:
+        assert places(json.load(fh)) == [("ST001", 4)]
+    helped = " ".join(_safetorch(["--help"], str(tmp_path)).stdout.split())
+    assert "json / sarif: the report on stdout at exit, which it owns: the program's own stdout goes to stderr" \
+        in helped
 
 
 def _sarif_schema() -> dict[str, object]:
@@ -213,8 +286,8 @@ def test_pyproject_settings_below_environment_and_options(buggy: str, tmp_path: 
     sub = os.path.join(tmp_path, "scripts")
     os.makedirs(sub)
     proc = _safetorch([buggy], sub)  # found from the script's directory upward, as ruff and pytest find theirs
-    assert "ST003" not in proc.stderr and "ST001 x.double() returns a copy and its result is discarded " \
-        "(safetorch explain ST001)" in proc.stderr
+    assert "ST003" not in proc.stderr and "ST001 x.double() returns a copy and its result is discarded. Write: " \
+        "x = x.double() (safetorch explain ST001)\n" in proc.stderr  # concise
     pyproject = os.path.join(tmp_path, "pyproject.toml")
     assert f"{pyproject}:7: SafetorchConfigWarning: safetorch: {pyproject} [tool.safetorch]: unknown key 'colour'" \
         in proc.stderr

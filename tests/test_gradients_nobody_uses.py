@@ -153,7 +153,42 @@ def test_parameters_no_frame_names_are_described_by_their_shape() -> None:
     message = str(got[0].message)
     assert message.startswith("ST020 torch.autograd.backward() computes gradients for 4 parameters (808 elements, "
                               "the first of shape 8)")  # the walk meets the last layer's bias first
-    assert "Write: loss_net.requires_grad_(False) on the module that holds them once" in message
+    assert "Write: <module>.requires_grad_(False), on the module that holds them, once" in message
+
+
+def test_layers_kept_in_a_plain_list_are_found_with_the_module_list_to_write() -> None:
+    """Layers in a Python list are never registered: model.parameters() leaves them out, so they are never trained,
+    and each backward adds to their .grad. The fix is how they are held, not a freeze."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = [nn.Linear(4, 4) for _ in range(2)]
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    with findings() as got:
+        for _ in range(4):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward(); line = lineno()  # noqa: E702
+            opt.step()
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(GradientsNobodyUsesWarning, __file__, line)]
+    message = str(got[0].message)
+    assert message.startswith("ST020 loss.backward() computes gradients for model.layers (a plain Python list of 2 "
+                              "Linear, 4 parameters, 40 elements) that no optimizer holds: nn.Module registers no "
+                              "module kept in a plain list, so model.parameters() leaves them out and they are never "
+                              "trained")
+    assert message.endswith("Write: self.layers = nn.ModuleList([...]) in Net.__init__, then build the optimizer "
+                            "from model.parameters() (safetorch explain ST020)")
+    assert "requires_grad_(False)" not in message and "loss_net" not in message
 
 
 # The look-alikes: each silent, with the same numbers on and off.

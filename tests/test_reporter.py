@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import sys
 import textwrap
 
@@ -68,7 +69,8 @@ def test_exit_summary_and_json(tmp_path: os.PathLike[str]) -> None:
     first_seen = datetime.datetime.fromisoformat(data[0].pop("first_seen"))
     assert abs((datetime.datetime.now(datetime.timezone.utc) - first_seen).total_seconds()) < 600
     assert data == [{"rule": "ST001", "name": "discarded-conversion", "path": script, "abspath": script, "line": 5,
-                     "count": 3, "rank": None, "ranks": [], "message": data[0]["message"],
+                     "count": 3, "sampled": False, "rank": None, "ranks": [],
+                     "hosts": [socket.gethostname()], "message": data[0]["message"],
                      "code": "ST001", "file": script,
                      # the call's place and text, from the bytecode positions (none before Python 3.11)
                      **({"col": 4, "end_line": 5, "end_col": 14, "source": "x.double()"} if sys.version_info >= (3, 11)
@@ -120,3 +122,42 @@ def test_no_exit_summary_in_an_interactive_session() -> None:
                           timeout=300)
     assert "DiscardedConversionWarning: ST001" in proc.stderr  # the finding itself is shown
     assert "finding(s)" not in proc.stderr  # but no summary when the session is interactive
+
+
+def test_a_concise_warning_reaches_every_showwarning_as_one_line() -> None:
+    """Python's own display, a recorder (pytest's) and a replacement (logging.captureWarnings) all get the warning
+    with an empty source line, and the program's showwarning is back in place after it."""
+    import dataclasses
+    import warnings
+
+    import torch
+
+    from safetorch import DiscardedConversionWarning, _config
+
+    from .conftest import lineno
+
+    shown: list[tuple[str, int, str | None]] = []
+
+    def showwarning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    file: object = None, line: str | None = None) -> None:
+        shown.append((str(message), lineno, line))
+
+    before = _config.current
+    _config.current = dataclasses.replace(before, format="concise")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = showwarning
+            x = torch.ones(2)
+            x.double(); line = lineno()  # noqa: E702
+            assert warnings.showwarning is showwarning
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            x.float(); recorded = lineno()  # noqa: E702
+    finally:
+        _config.current = before
+    assert shown == [("ST001 x.double() returns a copy and its result is discarded. Write: x = x.double() "
+                      "(safetorch explain ST001)", line, "")]
+    assert [(w.category, w.lineno, w.line) for w in got] == [(DiscardedConversionWarning, recorded, "")]
+    assert warnings.formatwarning(str(got[0].message), got[0].category, got[0].filename, got[0].lineno,
+                                  got[0].line).count("\n") == 1

@@ -10,16 +10,22 @@ variables (where ``model`` is, in ``SGD(model.parameters())``) is searched for a
 grad. A module that stores such a flag and applies it (its parameters do not require grad) stays silent, as do
 ``module.requires_grad_(False)`` and ``p.requires_grad = False``. Cost: one pass over the parameters per optimizer.
 
-The finding comes later than the assignment, at the optimizer's line, so it names the assignment's line too, noted
-when False is assigned while the check is installed: through ``nn.Module.__setattr__`` (one set lookup per module
-attribute assignment, few in a training step) for a module, and through a class attribute of ``torch.Tensor`` for
-each misspelling (`_Recorded`; no other tensor attribute's lookup or assignment changes) for a parameter.
+The optimizer is where the mistake is proved, the assignment where it is fixed: the finding is reported at the
+assignment's line (its ``# safetorch: ignore[ST015]`` comment, its annotation in CI), and its message names the
+optimizer's line. That line is noted when False is assigned while the check is installed: through
+``nn.Module.__setattr__`` (one set lookup per module attribute assignment, few in a training step) for a module, and
+through a class attribute of ``torch.Tensor`` for each misspelling (`_Recorded`; no other tensor attribute's lookup
+or assignment changes) for a parameter. An assignment made before the check was installed has no known line: it is
+reported at the optimizer's line.
 """
 
 from __future__ import annotations
 
+import linecache
+import re
 import sys
 import weakref
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -30,7 +36,7 @@ from torch.optim import Optimizer
 from .. import _visible
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error, is_internal, report, user_frame
+from .._report import internal_error, is_internal, report, report_at, user_frame
 from .._rule import Rule
 
 CODE = "ST015"
@@ -64,8 +70,22 @@ _MODULE_NAMES = frozenset(_RECORDED)
 #: On a tensor ``requires_grad`` is torch's own property: only the misspellings are recorded.
 _TENSOR_NAMES = _RECORDED[1:]
 _MISSING = object()
-#: Where a False freeze flag was assigned: (id(object), name) -> (weak reference to the object, filename, line).
-_setters: dict[tuple[int, str], tuple[weakref.ref[Any], str, int]] = {}
+
+
+@dataclass(frozen=True)
+class _Place:
+    """A line that assigned a freeze flag: where the finding is reported, and where its comments are read."""
+
+    filename: str
+    lineno: int
+    globals: dict[str, Any] = field(compare=False, hash=False, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.filename}:{self.lineno}"
+
+
+#: Where a False freeze flag was assigned: (id(object), name) -> (weak reference to the object, its place).
+_setters: dict[tuple[int, str], tuple[weakref.ref[Any], _Place]] = {}
 
 
 def _module_setattr(original: Any) -> Any:
@@ -163,35 +183,33 @@ def _record(obj: Any, name: str, value: Any, frame: FrameType | None) -> None:
     if frame is None or is_internal(frame.f_code):
         return
 
-    def forget(ref: weakref.ref[Any]) -> None:
-        entry = _setters.get(key)
+    def forget(ref: weakref.ref[Any], setters: dict[Any, Any] = _setters) -> None:
+        # the dict itself, not the module's name for it: at interpreter exit that name may already be None
+        entry = setters.get(key)
         if entry is not None and entry[0] is ref:
-            del _setters[key]
+            del setters[key]
 
     try:
         ref = weakref.ref(obj, forget)
     except TypeError:  # an object that takes no weak reference: its place is not kept
         return
-    _setters[key] = (ref, frame.f_code.co_filename, frame.f_lineno)
+    _setters[key] = (ref, _Place(frame.f_code.co_filename, frame.f_lineno, frame.f_globals))
 
 
-def _setter(obj: Any, name: str) -> tuple[str, int] | None:
+def _setter(obj: Any, name: str) -> _Place | None:
     """The recorded place of ``obj.<name> = False``, if this object's flag was set while the check was installed."""
     entry = _setters.get((id(obj), name))
     if entry is None or entry[0]() is not obj:
         return None
-    return entry[1], entry[2]
+    return entry[1]
 
 
-def _at(places: list[tuple[str, int] | None]) -> str:
-    """`` in its place, at train.py:12`` for the recorded assignments (three at most, then how many more), or ''
-    when none is recorded: the line a user clicks to fix it."""
-    known = list(dict.fromkeys(p for p in places if p is not None))
-    if not known:
-        return ""
-    shown = ", ".join(f"{filename}:{lineno}" for filename, lineno in known[:3])
-    more = f" and {len(known) - 3} more" if len(known) > 3 else ""
-    return f" in its place, at {shown}{more}"
+def _receiver(place: _Place, name: str) -> str | None:
+    """What the assignment's line wrote before ``.<name> = False`` (``p``, ``self.backbone``), to name the fix in the
+    program's own words; None when the line does not read so (the assignment spans lines, or goes through setattr)."""
+    line = linecache.getline(place.filename, place.lineno, place.globals)
+    found = re.search(rf"([A-Za-z_][\w.\[\]'\"]*)\s*\.\s*{re.escape(name)}\s*=\s*False\b", line)
+    return found.group(1) if found else None
 
 
 def _modules(frame: FrameType) -> list[tuple[str, nn.Module]]:
@@ -204,20 +222,35 @@ def _modules(frame: FrameType) -> list[tuple[str, nn.Module]]:
     return list(seen.values())
 
 
-def _findings(optimizer: Optimizer, frame: FrameType) -> list[str]:
+_TYPO_FIX = "(or module.requires_grad_(False))"
+
+
+def _findings(optimizer: Optimizer, frame: FrameType) -> list[tuple[_Place | None, str]]:
+    """What the optimizer built at ``frame``'s line proves: each mistaken assignment that was seen, with its place and
+    the message for it; those made before the check was installed (no place known), for the optimizer's line."""
+    built = f"the optimizer built at {frame.f_code.co_filename}:{frame.f_lineno}"
     held = [p for group in optimizer.param_groups for p in group["params"]]
-    found: list[str] = []
-    typo: dict[str, list[tuple[str, int] | None]] = {}
+    found: list[tuple[_Place | None, str]] = []
+    typo: dict[str, dict[_Place | None, int]] = {}
     for p in held:
         attrs = getattr(p, "__dict__", None)
         if attrs and p.requires_grad:
             name = _freeze_flag(attrs)
             if name is not None:
-                typo.setdefault(name, []).append(_setter(p, name))
+                places = typo.setdefault(name, {})
+                place = _setter(p, name)
+                places[place] = places.get(place, 0) + 1
     for name, places in typo.items():
-        found.append(f"`p.{name} = False` on {len(places)} parameter(s) the optimizer holds set an attribute torch "
-                     f"never reads: they still require grad and will be trained. Write p.requires_grad = False (or "
-                     f"module.requires_grad_(False)){_at(places)}")
+        for place, n in places.items():
+            if place is None:
+                found.append((None, f"`p.{name} = False` on {n} parameter(s) the optimizer holds set an attribute "
+                                    f"torch never reads: they still require grad and will be trained. Write: "
+                                    f"p.requires_grad = False {_TYPO_FIX} where it was set"))
+                continue
+            receiver = _receiver(place, name) or "p"
+            found.append((place, f"`{receiver}.{name} = False` sets an attribute torch never reads: the {n} "
+                                 f"parameter(s) it was set on still require grad, and {built} holds them, so they "
+                                 f"will be trained. Write: {receiver}.requires_grad = False {_TYPO_FIX}"))
     ids = {id(p) for p in held}
     reported: set[int] = set()
     for variable, root in _modules(frame):
@@ -228,13 +261,21 @@ def _findings(optimizer: Optimizer, frame: FrameType) -> list[str]:
             if name is None:
                 continue
             trained = sum(1 for p in module.parameters() if p.requires_grad and id(p) in ids)
-            if trained:
-                reported.add(id(module))
-                label = f"{variable}.{path}" if path else variable
-                found.append(f"`{label}.{name} = False` ({type(module).__name__}) set an attribute of the module, "
-                             f"which freezes nothing: {trained} of its parameters the optimizer holds still require "
-                             f"grad and will be trained. Write {label}.requires_grad_(False)"
-                             f"{_at([_setter(module, name)])}")
+            if not trained:
+                continue
+            reported.add(id(module))
+            label = f"{variable}.{path}" if path else variable
+            place = _setter(module, name)
+            if place is None:
+                found.append((None, f"`{label}.{name} = False` ({type(module).__name__}) set an attribute of the "
+                                    f"module, which freezes nothing: {trained} of its parameters the optimizer holds "
+                                    f"still require grad and will be trained. Write: {label}.requires_grad_(False)"))
+                continue
+            receiver = _receiver(place, name) or label
+            found.append((place, f"`{receiver}.{name} = False` ({type(module).__name__}) sets an attribute of the "
+                                 f"module, which freezes nothing: {trained} of its parameters still require grad, and "
+                                 f"{built} holds them ({label}), so they will be trained. Write: "
+                                 f"{receiver}.requires_grad_(False)"))
     return found
 
 
@@ -246,8 +287,12 @@ def _optimizer_init(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: 
             frame = user_frame(sys._getframe(1))
             if frame is not None:
                 found = _findings(instance, frame)
-                if found:  # one site, one finding: both mistakes in one message
-                    report(CODE, frame, f"{CODE} " + "; and ".join(found))
+                for place, text in found:  # at the line to fix
+                    if place is not None:
+                        report_at(CODE, place.filename, place.lineno, place.globals, f"{CODE} {text}")
+                unplaced = [text for place, text in found if place is None]
+                if unplaced:  # made before the check was installed: at the optimizer's line, in one message
+                    report(CODE, frame, f"{CODE} " + "; and ".join(unplaced))
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
     return result

@@ -67,7 +67,7 @@ class GradientsAccumulateWarning(SafetorchWarning):
 
 
 RULE = Rule("ST011", "gradients-accumulate-across-steps", GradientsAccumulateWarning,
-            "gradients accumulate across optimizer steps (zero_grad() forgotten)")
+            "gradients accumulate across optimizer steps (zero_grad() forgotten)", sampled=True)
 
 
 @dataclass

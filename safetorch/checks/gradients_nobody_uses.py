@@ -36,7 +36,9 @@ hook leaves that to the next backward).
 The decision, a bool on the gradient's device, is read through `safetorch._deferred`: on an accelerator the host
 never waits for it. The module that owns the parameters, named in the message, is looked up only for a finding, among
 the modules the ``backward()`` line's frame can see (its locals and globals, and one attribute level below them: no
-``gc`` walk); nothing kept grows with the number of steps.
+``gc`` walk); nothing kept grows with the number of steps. When no such module holds them but a plain list (tuple,
+dict) attribute of one does — layers never registered, so ``model.parameters()`` left them out of the optimizer — the
+fix named is ``nn.ModuleList`` (``nn.ModuleDict``), not a freeze.
 """
 
 from __future__ import annotations
@@ -353,6 +355,44 @@ def _owner(suspects: _Suspects) -> tuple[str, torch.nn.Module] | None:
     return None
 
 
+@dataclass
+class _Unregistered:
+    """Modules kept in a plain Python container attribute of a module: ``nn.Module`` registers none of them."""
+
+    label: str  # model.layers
+    attribute: str  # layers
+    holder: str  # the class whose __init__ assigns it
+    kind: str  # list, tuple or dict
+    modules: list[torch.nn.Module]
+
+
+def _container_modules(value: Any) -> list[torch.nn.Module]:
+    items = value.values() if isinstance(value, dict) else value
+    return [m for m in items if isinstance(m, torch.nn.Module)]
+
+
+def _unregistered(suspects: _Suspects) -> _Unregistered | None:
+    """The plain list (tuple, dict) attribute of a module the frame saw that holds the first suspect: layers kept in
+    ``self.layers = [nn.Linear(...), ...]`` are never registered, so its ``parameters()`` — what the optimizer was
+    given — leave them out. Looked at only for a finding."""
+    target = suspects.first()
+    if target is None:
+        return None
+    for name, ref in suspects.owners:
+        root = ref()
+        if root is None:
+            continue
+        for path, sub in root.named_modules():
+            for attribute, value in list(vars(sub).items())[:_OWNERS]:
+                if not isinstance(value, (list, tuple, dict)) or len(value) > _OWNERS:
+                    continue
+                modules = _container_modules(value)
+                if any(p is target for m in modules for p in m.parameters()):
+                    label = ".".join(part for part in (name, path, attribute) if part)
+                    return _Unregistered(label, attribute, type(sub).__name__, type(value).__name__, modules)
+    return None
+
+
 def _message(suspects: _Suspects) -> str:
     spot = suspects.spot
     if suspects.method == "backward":
@@ -362,6 +402,17 @@ def _message(suspects: _Suspects) -> str:
         call = "torch.autograd.backward()"
     what = "1 parameter" if suspects.count == 1 else f"{suspects.count} parameters"
     owner = _owner(suspects)
+    held = _unregistered(suspects) if owner is None else None
+    if held is not None:
+        kinds = sorted({type(m).__name__ for m in held.modules})
+        root = held.label.split(".")[0]
+        container = "nn.ModuleDict({...})" if held.kind == "dict" else "nn.ModuleList([...])"
+        return (f"{CODE} {call} computes gradients for {held.label} (a plain Python {held.kind} of "
+                f"{len(held.modules)} {'/'.join(kinds)}, {what}, {suspects.numel:,} elements) that no optimizer "
+                f"holds: nn.Module registers no module kept in a plain {held.kind}, so {root}.parameters() leaves "
+                f"them out and they are never trained (nor moved by .to(), nor saved by state_dict()), while each "
+                f"backward adds to their .grad, which nothing reads or resets. Write: self.{held.attribute} = "
+                f"{container} in {held.holder}.__init__, then build the optimizer from {root}.parameters()")
     if owner is not None:
         name, module = owner
         whose = f"{name} (a {type(module).__name__}, {what}, {suspects.numel:,} elements)"
@@ -374,7 +425,7 @@ def _message(suspects: _Suspects) -> str:
     else:
         shape = "×".join(str(n) for n in suspects.shape) or "0-dim"
         whose = f"{what} ({suspects.numel:,} elements, the first of shape {shape})"
-        fix, mode = "loss_net.requires_grad_(False) on the module that holds them", ""
+        fix, mode = "<module>.requires_grad_(False), on the module that holds them,", ""
         trained = "them"
     return (f"{CODE} {call} computes gradients for {whose} that no optimizer holds: each backward adds them to "
             f".grad, which nothing reads or resets, so it grows every step and its compute and memory are spent for "

@@ -52,7 +52,8 @@ class StepChangedNothingWarning(SafetorchWarning):
 
 
 RULE = Rule("ST018", "step-changed-nothing", StepChangedNothingWarning,
-            "optimizer.step() with non-zero gradients and lr > 0 that changed none of the sampled parameters")
+            "optimizer.step() with non-zero gradients and lr > 0 that changed none of the sampled parameters",
+            sampled=True)
 
 #: How large torch's first update of an element is, by optimizer class: ``lr * |g|`` (SGD-like) or ``lr`` (adaptive:
 #: Adam's first update is ``lr * g / |g|``, RMSprop's ``lr / sqrt(1 - alpha)``, Adagrad's ``lr``, Rprop's ``lr``).

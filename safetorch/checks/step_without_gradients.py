@@ -31,7 +31,7 @@ class StepWithoutGradientsWarning(SafetorchWarning):
 
 
 RULE = Rule("ST010", "step-without-gradients", StepWithoutGradientsWarning,
-            "optimizer.step() while none of its parameters has a gradient")
+            "optimizer.step() while none of its parameters has a gradient", sampled=True)
 
 
 def _message(optimizer: Optimizer, name: str) -> str:
