@@ -119,4 +119,8 @@ for _step in range(4):
 test_batches = [torch.randn(8, 3, 16, 16, dtype=torch.float64) for _ in range(6)]
 test_scores = [model(batch).argmax(1) for batch in test_batches]  # ST019: neither model.eval() nor no_grad()
 
+# A NaN check that can never fire: NaN equals nothing, itself included.
+if perceptual.item() == float("nan"):  # ST021: always False: write math.isnan(perceptual.item())
+    print("the loss is NaN")
+
 # ST016 and ST017 need a DistributedDataParallel job of several ranks: see tests/distributed_job.py.

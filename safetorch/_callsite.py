@@ -27,8 +27,9 @@ from inspect import CO_OPTIMIZED
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded",
-           "frame_locals", "method_call", "normalized", "quoted_call", "source_line", "trim"]
+__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "instructions",
+           "is_discarded", "frame_locals", "meet", "method_call", "normalized", "on_new_code", "producer_index",
+           "quoted_call", "source_line", "trim"]
 
 _SNAPSHOT = sys.version_info < (3, 13)
 
@@ -114,6 +115,30 @@ def clear() -> None:
     _calls.clear()
 
 
+#: Called with a frame whose call site the reader reads for the first time (a rule that reads a whole code object
+#: once, ST021, keeps its own record of the code objects it has read). Only slow paths call them: never per call.
+_readers: dict[str, Any] = {}
+
+
+def on_new_code(name: str, reader: Any | None) -> None:
+    """Add (or, with None, remove) ``reader(frame)``, called where the reader meets a call site it has not read."""
+    if reader is None:
+        _readers.pop(name, None)
+    else:
+        _readers[name] = reader
+
+
+def meet(frame: FrameType) -> None:
+    """Hand a frame met on a slow path to every reader (its code object may be new to them)."""
+    for reader in tuple(_readers.values()):
+        reader(frame)
+
+
+def instructions(code: CodeType) -> list[dis.Instruction]:
+    """The code object's instructions without CACHE entries (cached with the call-site answers)."""
+    return _info(code).instructions
+
+
 def _info(code: CodeType) -> _CodeInfo:
     info = _code_infos.get(id(code))
     if info is None or info.code is not code:
@@ -137,6 +162,8 @@ def is_discarded(frame: FrameType) -> bool:
     entry = _discarded.get(id(code) + frame.f_lasti)
     if entry is not None and entry[0] is code:
         return entry[1]
+    if _readers:
+        meet(frame)
     return _discarded_slow(code, frame.f_lasti)
 
 
@@ -174,6 +201,12 @@ def _producer(instructions: list[dis.Instruction], index: int, depth: int) -> di
 
     Walks back over straight-line code only; anything it cannot follow (a jump target in between) gives None.
     """
+    j = producer_index(instructions, index, depth)
+    return instructions[j] if j is not None else None
+
+
+def producer_index(instructions: list[dis.Instruction], index: int, depth: int) -> int | None:
+    """`_producer`, as the index of the instruction in ``instructions``."""
     need = depth
     for j in range(index - 1, max(index - 64, -1), -1):
         ins = instructions[j]
@@ -182,7 +215,7 @@ def _producer(instructions: list[dis.Instruction], index: int, depth: int) -> di
         effect = dis.stack_effect(ins.opcode, ins.arg, jump=False) if ins.opcode >= dis.HAVE_ARGUMENT else \
             dis.stack_effect(ins.opcode, jump=False)
         if need == 0 or need - effect < 0:
-            return ins
+            return j
         need -= effect
         if ins.is_jump_target:
             return None
@@ -217,6 +250,8 @@ def accumulates(frame: FrameType) -> bool:
     entry = _accumulates.get(key)
     if entry is not None and entry[0] is code:
         return entry[1]
+    if _readers:
+        meet(frame)
     answer = _is_accumulation(code, frame.f_lasti)
     trim(_accumulates, MAX_ANSWERS)
     _accumulates[key] = (code, answer)
@@ -379,6 +414,8 @@ def calls_method(frame: FrameType, method: str) -> bool | None:
     entry = _calls.get(key)
     if entry is not None and entry[0] is code:
         return entry[1]
+    if _readers:
+        meet(frame)
     node = _call_node(frame)
     answer: bool | None = None  # unreadable, or a call that may be the method (`getattr(t, m)()`, `f()`)
     if node is not None and isinstance(node.func, ast.Attribute):

@@ -189,6 +189,14 @@ def st020() -> int:
     return line
 
 
+def st021() -> int:
+    loss = torch.ones(1).float()  # a call site safetorch reads: the function's comparisons are read with it
+    line = lineno() + 1
+    if loss.item() == float("nan"):
+        pass
+    return line
+
+
 PITFALLS: dict[str, Callable[[], int]] = {code: globals()[code.lower()] for code in safetorch.RULES}
 
 
