@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import fakehub  # tests/site-packages: a library, put on the path by conftest
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -194,6 +195,14 @@ def st021() -> int:
     line = lineno() + 1
     if loss.item() == float("nan"):
         pass
+    return line
+
+
+def st022() -> int:
+    buf, kept = np.zeros(2, dtype=np.float32), []
+    for k in range(3):
+        buf[:] = k
+        kept.append(torch.from_numpy(buf)); line = lineno()  # noqa: E702
     return line
 
 
