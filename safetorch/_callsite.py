@@ -283,6 +283,7 @@ def call_source(frame: FrameType) -> str | None:
     line, end_line, col, end_col = positions[index]
     if line is None or end_line is None or col is None or end_col is None:
         return None
+    line, col = _receiver_start(code, line, col, frame.f_globals)
     lines = [getline(code.co_filename, n, frame.f_globals) for n in range(line, end_line + 1)]
     if not lines or not all(lines):
         return None
@@ -292,6 +293,54 @@ def call_source(frame: FrameType) -> str | None:
         return encoded[0][col:end_col].decode(errors="replace")
     parts = [encoded[0][col:], *encoded[1:-1], encoded[-1][:end_col]]
     return b"".join(parts).decode(errors="replace")
+
+
+def _receiver_start(code: CodeType, line: int, col: int, module_globals: dict[str, Any]) -> tuple[int, int]:
+    """Where a method call's expression starts. From 3.11 a call written over several lines starts at the method's
+    name (``(x`` / ``.double()`` / ``.float())`` reads ``float()``): then the start moves back over the dots, names
+    and bracketed groups of the receiver, as far as 20 lines up; (line, col) as they were when no dot comes first."""
+    first = max(1, line - 20)
+    lines = [getline(code.co_filename, n, module_globals) for n in range(first, line + 1)]
+    if not lines[-1]:
+        return line, col
+    text = "".join(lines[:-1]) + lines[-1].encode()[:col].decode(errors="replace")
+    j = _space_before(text, len(text))
+    if j == 0 or text[j - 1] != ".":
+        return line, col
+    while j > 0 and text[j - 1] == ".":
+        j = _space_before(text, j - 1)
+        while j > 0 and text[j - 1] in ")]":
+            opened = _opening(text, j - 1)
+            if opened is None:
+                return line, col
+            j = opened
+        while j > 0 and (text[j - 1].isalnum() or text[j - 1] == "_"):
+            j -= 1
+        k = _space_before(text, j)
+        if k > 0 and text[k - 1] == ".":
+            j = k
+    before = text[:j]
+    row = before.count("\n")
+    return first + row, len(before[before.rfind("\n") + 1:].encode())
+
+
+def _space_before(text: str, j: int) -> int:
+    while j > 0 and text[j - 1].isspace():
+        j -= 1
+    return j
+
+
+def _opening(text: str, j: int) -> int | None:
+    """The index of the bracket that the closing bracket at ``j`` closes (strings not parsed), or None."""
+    depth = 0
+    for k in range(j, -1, -1):
+        if text[k] in ")]}":
+            depth += 1
+        elif text[k] in "([{":
+            depth -= 1
+            if depth == 0:
+                return k
+    return None
 
 
 def quoted_call(frame: FrameType, fallback: str, limit: int = 100) -> str:
@@ -391,7 +440,11 @@ def _parsed_call(frame: FrameType) -> tuple[ast.Call, str] | None:
     try:
         node: Any = ast.parse(text, mode="eval").body
     except SyntaxError:
-        return None
+        try:  # a call over several lines, without the brackets around it that let it span them
+            text = f"({text})"
+            node = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
     return (node, text) if isinstance(node, ast.Call) else None
 
 
