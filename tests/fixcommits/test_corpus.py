@@ -44,7 +44,8 @@ def _run(path: str) -> list[warnings.WarningMessage]:
         runpy.run_path(path, run_name="__main__")
         _report._settle()  # what the exit summary would report late (a graph that died after the last forward)
     safetorch.install(strict=False, ignore=())
-    return [w for w in caught if issubclass(w.category, (safetorch.SafetorchWarning, safetorch.SafetorchInternalWarning))]
+    kinds = (safetorch.SafetorchWarning, safetorch.SafetorchInternalWarning)
+    return [w for w in caught if issubclass(w.category, kinds)]
 
 
 @pytest.fixture(autouse=True)

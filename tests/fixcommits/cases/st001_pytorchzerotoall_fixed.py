@@ -29,7 +29,7 @@ inputs = inputs.to(device)
 labels = labels.to(device)
 criterion = nn.CrossEntropyLoss()
 optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-for epoch in range(5):
+for _epoch in range(5):
     optimizer.zero_grad()
     loss = criterion(model(inputs), labels)
     loss.backward()

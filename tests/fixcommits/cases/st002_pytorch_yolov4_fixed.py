@@ -9,5 +9,6 @@ output = torch.randn(2, 3, 4, 4, requires_grad=True)
 target = torch.randint(0, 2, (2, 3, 4, 4)).float()
 obj_mask = torch.ones_like(target)
 for _ in range(3):
-    loss_obj = F.binary_cross_entropy(torch.sigmoid(output), target, weight=obj_mask, reduction="sum")
+    loss_obj = F.binary_cross_entropy(torch.sigmoid(output), target, weight=obj_mask,
+                                      reduction="sum")
     loss_obj.backward()

@@ -32,9 +32,9 @@ class NeuralNet:
 
     def fit(self, x, y, epochs=2):
         for _ in range(epochs):
-            for xi, yi in zip(x.split(4), y.split(4)):
+            for xi, yi in zip(x.split(4), y.split(4), strict=True):
                 self.train_step(xi, yi)
-            for xi, yi in zip(x.split(2), y.split(2)):
+            for xi, yi in zip(x.split(2), y.split(2), strict=True):
                 self.validation_step(xi, yi)
 
 

@@ -8,7 +8,7 @@ torch.manual_seed(0)
 policy = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
 optimizer = torch.optim.Adam(policy.parameters(), lr=3e-4)
 total_loss = 0
-for i in range(6):
+for _ in range(6):
     obs, target = torch.randn(16, 8), torch.randn(16, 2)
     optimizer.zero_grad()
     loss = ((policy(obs) - target) ** 2).mean()

@@ -15,7 +15,7 @@ def training_step(model, inputs):
     return loss.detach()
 
 
-for step in range(12):
+for _ in range(12):
     optimizer.zero_grad()
     training_step(model, {"x": torch.randn(8, 16), "y": torch.randn(8, 1)})
     optimizer.step()

@@ -1,7 +1,8 @@
 """ST008 — wkentaro/pytorch-fcn#56 (https://github.com/wkentaro/pytorch-fcn/pull/56, fixed in d10dd30), "Return to
 train mode after validation": the trainer validates every few iterations inside an epoch, and validate() leaves the
-model in eval mode, so training goes on with BatchNorm frozen and dropout off until the next epoch sets train(). The fix adds a line
-(`self.model.train()` at the end of validate()); the rule reports the training forward of the model left in eval mode."""
+model in eval mode, so training goes on with BatchNorm frozen and dropout off until the next epoch sets train().
+The fix adds a line (`self.model.train()` at the end of validate()); the rule reports the training forward of the
+model left in eval mode."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ class Trainer:
 
     def train_epoch(self):
         self.model.train()
-        for batch_idx in range(8):
+        for _ in range(8):
             self.iteration += 1
             if self.iteration % self.interval_validate == 0:
                 self.validate()

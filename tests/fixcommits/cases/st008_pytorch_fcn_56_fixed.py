@@ -24,7 +24,7 @@ class Trainer:
 
     def train_epoch(self):
         self.model.train()
-        for batch_idx in range(8):
+        for _ in range(8):
             self.iteration += 1
             if self.iteration % self.interval_validate == 0:
                 self.validate()

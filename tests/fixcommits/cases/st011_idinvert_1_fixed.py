@@ -11,7 +11,7 @@ D = nn.Sequential(nn.Linear(16, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
 G = nn.Linear(8, 16).requires_grad_(False)  # a fixed generator
 optimizer_E = torch.optim.Adam(E.parameters(), lr=1e-4)
 optimizer_D = torch.optim.Adam(D.parameters(), lr=1e-4)
-for step in range(6):
+for _ in range(6):
     real = torch.randn(4, 16)
     fake = G(E(real))
     optimizer_D.zero_grad()

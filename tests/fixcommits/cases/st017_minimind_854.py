@@ -15,7 +15,7 @@ with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for step in range(3):
+        for _ in range(3):
             outputs, advantages = torch.randn(4, 8), torch.randn(4)
             model_unwrapped = model.module if isinstance(model, DistributedDataParallel) else model
             res = model_unwrapped(outputs)  # ST017: bypasses DDP: no all-reduce

@@ -15,7 +15,7 @@ with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for step in range(3):
+        for _ in range(3):
             outputs, advantages = torch.randn(4, 8), torch.randn(4)
             res = model(outputs)
             loss = -(res.log_softmax(-1)[:, 0] * advantages).mean()

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 torch.manual_seed(0)
 classifier = nn.Sequential(nn.Linear(3, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 4))
 optimizer = torch.optim.Adam(classifier.parameters(), lr=0.001, betas=(0.9, 0.999))
-for epoch in range(2):
-    for i in range(4):
+for _epoch in range(2):
+    for _ in range(4):
         points, target = torch.randn(8, 3), torch.randint(0, 4, (8,))
         optimizer.zero_grad()
         classifier = classifier.train()
@@ -20,11 +20,11 @@ for epoch in range(2):
 
 total_correct = 0
 total_testset = 0
-for i in range(6):
+for _ in range(6):
     points, target = torch.randn(8, 3), torch.randint(0, 4, (8,))
     pred = classifier(points)  # ST019: still in training mode, with autograd on
     pred_choice = pred.data.max(1)[1]
     correct = pred_choice.eq(target.data).cpu().sum()
     total_correct += correct.item()
     total_testset += points.size()[0]
-print("final accuracy {}".format(total_correct / float(total_testset)))
+print(f"final accuracy {total_correct / float(total_testset)}")

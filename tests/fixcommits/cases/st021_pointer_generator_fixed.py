@@ -26,7 +26,7 @@ class Trainer:
 
     def run_one_epoch(self):
         running_avg_loss = 0.0
-        for i in range(4):
+        for _ in range(4):
             loss = self.train_one_batch(torch.randn(4, 8))
             running_avg_loss = 0.99 * running_avg_loss + 0.01 * loss
             if math.isnan(running_avg_loss):
