@@ -474,11 +474,13 @@ _LOOPS = frozenset({"FOR_ITER", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "
 
 def _evaluation_caller(module: torch.nn.Module, caller: FrameType) -> FrameType:
     """The line to report: a helper without a loop that only calls the model (``infer(x)``, shared by the training
-    and the validation step, as skorch's was before #219), called by the function that put the module in eval mode,
-    is reported at that function's call of the helper, where ``torch.no_grad()`` goes."""
+    and the validation step, as skorch's was before #219), called by the function (not a script's top level) that put
+    the module in eval mode, is reported at that function's call of the helper, where ``torch.no_grad()`` goes."""
     entry = _sites.guarded.get(id(module))
     code = entry[1][0] if entry is not None and entry[1] is not None else None
-    outer = user_frame(caller.f_back) if code is not None and caller.f_code is not code else None
+    if code is None or code.co_name == "<module>":
+        return caller  # a script's top level: the helper's line is where `safetorch fix` can tell what it may do
+    outer = user_frame(caller.f_back) if caller.f_code is not code else None
     if outer is None or outer.f_code is not code:
         return caller
     return caller if any(i.opname in _LOOPS for i in _callsite.instructions(caller.f_code)) else outer
