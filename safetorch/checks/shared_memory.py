@@ -19,6 +19,9 @@ Silent: read-only use; a ``.clone()`` or ``.copy()`` (a tensor or an array of it
 that own their memory (``torch.tensor(a)``); an array converted once (in-place work on it is then the program's
 intent); ``as_tensor`` that copied; conversions inside torch (``default_collate``'s) and under ``torch.compile``.
 The finding is at the conversion's line, the one to change.
+
+Cost: the first `WATCH` conversions at a line are watched (a sample of the bytes, a weak reference, a ``detach()``);
+after them a conversion only looks its memory up among the regions changed in place.
 """
 
 from __future__ import annotations
@@ -61,14 +64,21 @@ _is_compiling = is_compiling
 _getframe = sys._getframe
 
 
+#: Conversions watched per line (a sample of the bytes, a weak reference, a ``detach()``): a reused buffer shows by the
+#: third, and a dataset's drift is seen when any of the first items converted comes round again. Later conversions
+#: at the line only look up whether their memory is one that was changed in place.
+WATCH = 64
+
+
 class _Site:
     """One conversion line: the memory changed in place through its tensors, and the tensors it made, by region."""
 
-    __slots__ = ("changed", "kept")
+    __slots__ = ("changed", "kept", "watched")
 
     def __init__(self) -> None:
         self.changed: dict[tuple[int, int], bytes] = {}
         self.kept: dict[tuple[int, int], list[tuple[weakref.ref[torch.Tensor], bytes]]] = {}
+        self.watched = 0
 
 
 class _State:
@@ -128,8 +138,11 @@ class _Watch:
             internal_error(CODE, exc)
 
 
-def _shares(result: Any, a: Any) -> bool:
-    return isinstance(result, torch.Tensor) and a.size > 0 and result.data_ptr() == a.__array_interface__["data"][0]
+def _shares(result: Any, a: Any, api: str) -> bool:
+    """``from_numpy`` always shares; ``as_tensor`` only without a copy (the array's dtype, on the CPU)."""
+    if not isinstance(result, torch.Tensor) or a.size == 0:
+        return False
+    return api == "from_numpy" or result.data_ptr() == a.__array_interface__["data"][0]
 
 
 def _converting(original: Any, api: str) -> Any:
@@ -143,7 +156,8 @@ def _converting(original: Any, api: str) -> Any:
             return result
         try:
             a = args[0] if args else kwargs.get("data", kwargs.get("ndarray"))
-            if type(a).__module__ == "numpy" and hasattr(a, "__array_interface__") and _shares(result, a):
+            np = sys.modules.get("numpy")
+            if np is not None and isinstance(a, np.ndarray) and _shares(result, a, api):
                 frame = _getframe(1)
                 if not is_internal(frame.f_code):
                     _converted(frame, a, result, api)
@@ -161,11 +175,15 @@ def _converted(frame: FrameType, a: Any, result: torch.Tensor, api: str) -> None
         _trim(_state.sites)
         entry = _state.sites[id(code) + frame.f_lasti] = (code, _Site())
     site = entry[1]
-    key = (a.__array_interface__["data"][0], a.nbytes)
-    now = _sample(a)
-    if site.changed.get(key) == now:
+    key = (result.data_ptr(), a.nbytes)
+    changed = site.changed.get(key)
+    if changed is not None and changed == _sample(a):
         del site.changed[key]
         report(CODE, frame, lambda: _changed_message(frame, api))
+    if site.watched >= WATCH:
+        return
+    site.watched += 1
+    now = _sample(a)
     earlier = [e for e in site.kept.get(key, ()) if e[0]() is not None]
     stale = sum(1 for _, sample in earlier if sample != now)
     if stale >= KEPT:
