@@ -105,7 +105,19 @@ def _sdpa(original: Any) -> Any:
             look(getframe(1), p)
         return original(*args, **kwargs)
 
+    # torch's builtin has no signature that `inspect` can read; a Python function is expected to have one (code that
+    # lists torch.nn.functional's functions by their parameters reads it): torch's documented one.
+    scaled_dot_product_attention.__signature__ = _SDPA_SIGNATURE  # type: ignore[attr-defined]
     return scaled_dot_product_attention
+
+
+_SDPA_SIGNATURE = inspect.Signature([
+    *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("query", "key", "value")),
+    *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+      for name, default in (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False))),
+    *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+      for name, default in (("scale", None), ("enable_gqa", False))),
+])
 
 
 _registered: list[Any] = []
