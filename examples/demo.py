@@ -6,6 +6,7 @@ and each rule fires once, on the line whose comment names it. (Run as `python ex
 reported: the runner installs the checks without a change to the code.)
 """
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -118,5 +119,16 @@ for _step in range(4):
 # A test loop left in training mode: BatchNorm folds the test batches into its running statistics.
 test_batches = [torch.randn(8, 3, 16, 16, dtype=torch.float64) for _ in range(6)]
 test_scores = [model(batch).argmax(1) for batch in test_batches]  # ST019: neither model.eval() nor no_grad()
+
+# A NaN check that can never fire: NaN equals nothing, itself included.
+if perceptual.item() == float("nan"):  # ST021: always False: write math.isnan(perceptual.item())
+    print("the loss is NaN")
+
+# A loader that refills one buffer and keeps a tensor of it per batch: every kept batch is that one buffer.
+buffer = np.zeros((2, 3), dtype=np.float32)
+kept_batches = []
+for fill in range(3):
+    buffer[:] = fill
+    kept_batches.append(torch.from_numpy(buffer))  # ST022: no copy: all three batches show the last fill
 
 # ST016 and ST017 need a DistributedDataParallel job of several ranks: see tests/distributed_job.py.

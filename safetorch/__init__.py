@@ -55,11 +55,13 @@ if TYPE_CHECKING:  # the same classes, named for type checkers, which cannot see
     from .checks.gradients_nobody_uses import GradientsNobodyUsesWarning as GradientsNobodyUsesWarning
     from .checks.graph_accumulation import GraphAccumulationWarning as GraphAccumulationWarning
     from .checks.legacy_reduction import LegacyReductionWarning as LegacyReductionWarning
+    from .checks.nan_comparison import NanComparisonWarning as NanComparisonWarning
     from .checks.non_finite_loss import NonFiniteLossWarning as NonFiniteLossWarning
     from .checks.probabilities_into_logits import (
         ProbabilitiesIntoLogitsLossWarning as ProbabilitiesIntoLogitsLossWarning,
     )
     from .checks.replicas_diverged import ReplicasDivergedWarning as ReplicasDivergedWarning
+    from .checks.shared_memory import SharedMemoryWarning as SharedMemoryWarning
     from .checks.state_dict_loaded_nothing import StateDictLoadedNothingWarning as StateDictLoadedNothingWarning
     from .checks.step_changed_nothing import StepChangedNothingWarning as StepChangedNothingWarning
     from .checks.step_without_gradients import StepWithoutGradientsWarning as StepWithoutGradientsWarning

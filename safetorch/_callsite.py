@@ -28,8 +28,9 @@ from inspect import CO_OPTIMIZED
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded",
-           "frame_locals", "method_call", "normalized", "quoted_call", "source_line", "span", "span_source", "trim"]
+__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "instructions",
+           "is_discarded", "frame_locals", "meet", "method_call", "normalized", "on_new_code", "producer_index",
+           "quoted_call", "source_line", "span", "span_source", "trim"]
 
 _SNAPSHOT = sys.version_info < (3, 13)
 
@@ -115,6 +116,30 @@ def clear() -> None:
     _calls.clear()
 
 
+#: Called with a frame whose call site the reader reads for the first time (a rule that reads a whole code object
+#: once, ST021, keeps its own record of the code objects it has read). Only slow paths call them: never per call.
+_readers: dict[str, Any] = {}
+
+
+def on_new_code(name: str, reader: Any | None) -> None:
+    """Add (or, with None, remove) ``reader(frame)``, called where the reader meets a call site it has not read."""
+    if reader is None:
+        _readers.pop(name, None)
+    else:
+        _readers[name] = reader
+
+
+def meet(frame: FrameType) -> None:
+    """Hand a frame met on a slow path to every reader (its code object may be new to them)."""
+    for reader in tuple(_readers.values()):
+        reader(frame)
+
+
+def instructions(code: CodeType) -> list[dis.Instruction]:
+    """The code object's instructions without CACHE entries (cached with the call-site answers)."""
+    return _info(code).instructions
+
+
 def _info(code: CodeType) -> _CodeInfo:
     info = _code_infos.get(id(code))
     if info is None or info.code is not code:
@@ -138,6 +163,8 @@ def is_discarded(frame: FrameType) -> bool:
     entry = _discarded.get(id(code) + frame.f_lasti)
     if entry is not None and entry[0] is code:
         return entry[1]
+    if _readers:
+        meet(frame)
     return _discarded_slow(code, frame.f_lasti)
 
 
@@ -175,6 +202,12 @@ def _producer(instructions: list[dis.Instruction], index: int, depth: int) -> di
 
     Walks back over straight-line code only; anything it cannot follow (a jump target in between) gives None.
     """
+    j = producer_index(instructions, index, depth)
+    return instructions[j] if j is not None else None
+
+
+def producer_index(instructions: list[dis.Instruction], index: int, depth: int) -> int | None:
+    """`_producer`, as the index of the instruction in ``instructions``."""
     need = depth
     for j in range(index - 1, max(index - 64, -1), -1):
         ins = instructions[j]
@@ -183,7 +216,7 @@ def _producer(instructions: list[dis.Instruction], index: int, depth: int) -> di
         effect = dis.stack_effect(ins.opcode, ins.arg, jump=False) if ins.opcode >= dis.HAVE_ARGUMENT else \
             dis.stack_effect(ins.opcode, jump=False)
         if need == 0 or need - effect < 0:
-            return ins
+            return j
         need -= effect
         if ins.is_jump_target:
             return None
@@ -218,6 +251,8 @@ def accumulates(frame: FrameType) -> bool:
     entry = _accumulates.get(key)
     if entry is not None and entry[0] is code:
         return entry[1]
+    if _readers:
+        meet(frame)
     answer = _is_accumulation(code, frame.f_lasti)
     trim(_accumulates, MAX_ANSWERS)
     _accumulates[key] = (code, answer)
@@ -237,10 +272,12 @@ def getline(filename: str, lineno: int, module_globals: dict[str, Any] | None = 
         return linecache.getline(filename, lineno)
 
 
-def span(code: CodeType, lasti: int) -> tuple[int, int, int, int] | None:
+def span(code: CodeType, lasti: int, module_globals: dict[str, Any] | None = None
+         ) -> tuple[int, int, int, int] | None:
     """(line, column, end line, end column) of the expression the instruction at ``lasti`` evaluates, as Python's
     ``ast`` counts them (lines from 1, columns from 0 in UTF-8 bytes), from the bytecode's positions (3.11+); None
-    before 3.11, where code objects have none, or for an instruction without a position."""
+    before 3.11, where code objects have none, or for an instruction without a position. A method call written over
+    several lines starts at its receiver (`_receiver_start`)."""
     if sys.version_info < (3, 11):
         return None
     index = lasti // 2
@@ -249,6 +286,7 @@ def span(code: CodeType, lasti: int) -> tuple[int, int, int, int] | None:
             line, end_line, col, end_col = position
             if line is None or end_line is None or col is None or end_col is None:
                 return None
+            line, col = _receiver_start(code, line, col, module_globals)
             return line, col, end_line, end_col
     return None
 
@@ -270,8 +308,56 @@ def span_source(filename: str, where: tuple[int, int, int, int], module_globals:
 def call_source(frame: FrameType) -> str | None:
     """The source text of the expression the frame is evaluating at ``f_lasti`` (3.11+), else None."""
     code = frame.f_code
-    where = span(code, frame.f_lasti)
+    where = span(code, frame.f_lasti, frame.f_globals)
     return span_source(code.co_filename, where, frame.f_globals) if where is not None else None
+
+
+def _receiver_start(code: CodeType, line: int, col: int, module_globals: dict[str, Any]) -> tuple[int, int]:
+    """Where a method call's expression starts. From 3.11 a call written over several lines starts at the method's
+    name (``(x`` / ``.double()`` / ``.float())`` reads ``float()``): then the start moves back over the dots, names
+    and bracketed groups of the receiver, as far as 20 lines up; (line, col) as they were when no dot comes first."""
+    first = max(1, line - 20)
+    lines = [getline(code.co_filename, n, module_globals) for n in range(first, line + 1)]
+    if not lines[-1]:
+        return line, col
+    text = "".join(lines[:-1]) + lines[-1].encode()[:col].decode(errors="replace")
+    j = _space_before(text, len(text))
+    if j == 0 or text[j - 1] != ".":
+        return line, col
+    while j > 0 and text[j - 1] == ".":
+        j = _space_before(text, j - 1)
+        while j > 0 and text[j - 1] in ")]":
+            opened = _opening(text, j - 1)
+            if opened is None:
+                return line, col
+            j = opened
+        while j > 0 and (text[j - 1].isalnum() or text[j - 1] == "_"):
+            j -= 1
+        k = _space_before(text, j)
+        if k > 0 and text[k - 1] == ".":
+            j = k
+    before = text[:j]
+    row = before.count("\n")
+    return first + row, len(before[before.rfind("\n") + 1:].encode())
+
+
+def _space_before(text: str, j: int) -> int:
+    while j > 0 and text[j - 1].isspace():
+        j -= 1
+    return j
+
+
+def _opening(text: str, j: int) -> int | None:
+    """The index of the bracket that the closing bracket at ``j`` closes (strings not parsed), or None."""
+    depth = 0
+    for k in range(j, -1, -1):
+        if text[k] in ")]}":
+            depth += 1
+        elif text[k] in "([{":
+            depth -= 1
+            if depth == 0:
+                return k
+    return None
 
 
 def quoted_call(frame: FrameType, fallback: str, limit: int = 100) -> str:
@@ -371,7 +457,11 @@ def _parsed_call(frame: FrameType) -> tuple[ast.Call, str] | None:
     try:
         node: Any = ast.parse(text, mode="eval").body
     except SyntaxError:
-        return None
+        try:  # a call over several lines, without the brackets around it that let it span them
+            text = f"({text})"
+            node = ast.parse(text, mode="eval").body
+        except SyntaxError:
+            return None
     return (node, text) if isinstance(node, ast.Call) else None
 
 
@@ -394,6 +484,8 @@ def calls_method(frame: FrameType, method: str) -> bool | None:
     entry = _calls.get(key)
     if entry is not None and entry[0] is code:
         return entry[1]
+    if _readers:
+        meet(frame)
     node = _call_node(frame)
     answer: bool | None = None  # unreadable, or a call that may be the method (`getattr(t, m)()`, `f()`)
     if node is not None and isinstance(node.func, ast.Attribute):

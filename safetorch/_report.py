@@ -308,7 +308,7 @@ def _span(filename: str, lineno: int, module_globals: dict[str, Any], at: tuple[
     try:
         from ._callsite import span, span_source
 
-        where = span(*at)
+        where = span(*at, module_globals)
         if where is None or where[0] != lineno:
             return None, None
         return where, span_source(filename, where, module_globals)

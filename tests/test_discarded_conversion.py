@@ -207,6 +207,25 @@ def test_a_call_over_several_lines_is_quoted_on_one_line() -> None:
         'Write: x = x.to(device="cpu", dtype=torch.float16)']
 
 
+def test_a_conversion_chain_split_over_three_lines_is_found_at_its_last_call() -> None:
+    """From 3.11 the position of a method call written on a line of its own starts at the method's name (`float()`),
+    which once read as a call of the builtin `float` (a key function), and the finding was lost."""
+    x = torch.ones(2)
+    with findings() as got:
+        (x
+         .double()
+         .float()); line = lineno()  # noqa: E702
+        (
+            x[0]
+            .to(torch.float64)
+        )
+    assert [(w.category, w.lineno) for w in got] == [(DiscardedConversionWarning, line),
+                                                     (DiscardedConversionWarning, line + 3)]
+    assert _text(got[0]) == ("ST001 x.double().float() returns a copy and its result is discarded; the tensor is "
+                             "unchanged. Assign the result to a name and use that: <name> = x.double().float()")
+    assert _text(got[1]).startswith("ST001 x[0].to(torch.float64) returns a copy and its result is discarded")
+
+
 def test_a_long_call_shows_its_arguments_as_an_ellipsis() -> None:
     activations_of_the_second_encoder_block = torch.ones(2)
     with findings() as got:

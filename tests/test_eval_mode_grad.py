@@ -735,8 +735,10 @@ def test_a_site_taken_for_an_evaluation_then_trained_through_gets_its_gradients(
     # (the forgotten model.train() after validation): findings, while the numbers stay the program's.
     assert [w.category for w in got] == [EvalModeGradWarning, EvalModeTrainingWarning]
     assert same(on, off) and all(g.abs().sum() > 0 for g in on[0])
-    site = next(iter(eval_mode_grad._sites.sites.values()))
-    assert site.state == "train"  # the recomputation told that it trains: as written from then on
+    # The helper is called by the function that put the model in eval mode: each of its calls there is a site of
+    # its own (the validation pass's and the training loop's), and the training one runs as written.
+    states = sorted(site.state for site in eval_mode_grad._sites.sites.values())
+    assert states == ["eval", "train"]
 
 
 def test_several_forwards_at_one_line_before_one_backward_get_every_gradient() -> None:
@@ -1164,3 +1166,47 @@ def test_a_parents_train_takes_off_a_childs_own_guard_and_a_frozen_batchnorm_ove
     assert got == []
     assert all(p.grad is not None for p in net.parameters())
     assert not net.bn.training and net.training
+
+
+class _SkorchNet:
+    """The shape of skorch's NeuralNet before #219: train_step and validation_step share `infer`, which calls the
+    module; validation_step puts the module in eval mode and the fix wraps its call in `torch.no_grad()`."""
+
+    validation_line = 0
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.module_ = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 2))
+        self.optimizer_ = torch.optim.SGD(self.module_.parameters(), lr=0.1)
+
+    def infer(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module_(x)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.module_.train()
+        self.optimizer_.zero_grad()
+        nn.functional.cross_entropy(self.infer(x), y).backward()
+        self.optimizer_.step()
+
+    def validation_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        self.module_.eval()
+        y_pred = self.infer(x); _SkorchNet.validation_line = lineno()  # noqa: E702
+        return float(nn.functional.cross_entropy(y_pred, y))
+
+    def fit(self, epochs: int = 2) -> list[float]:
+        x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        losses = []
+        for _ in range(epochs):
+            for xb, yb in zip(x.split(4), y.split(4), strict=True):
+                self.train_step(xb, yb)
+            losses += [self.validation_step(xb, yb) for xb, yb in zip(x.split(2), y.split(2), strict=True)]
+        return losses
+
+
+def test_skorch_219_a_forward_in_a_shared_helper_is_reported_at_the_evaluations_call() -> None:
+    """The helper's line also trains; the line to fix is validation_step's, which called eval() and then the
+    helper (skorch#219 put `with torch.no_grad():` there)."""
+    with findings() as got:
+        _SkorchNet().fit()
+    found = [(w.category, w.filename, w.lineno) for w in got if w.category is EvalModeGradWarning]
+    assert found == [(EvalModeGradWarning, __file__, _SkorchNet.validation_line)]

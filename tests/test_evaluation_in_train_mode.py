@@ -608,3 +608,28 @@ def test_a_looked_at_step_keeps_nothing_of_the_training_function_alive() -> None
 
     train()
     assert dead == [True] * 4
+
+
+def test_batchnorm_recalibration_with_momentum_none_is_silent() -> None:
+    """Recomputing BatchNorm's statistics after training (statistics reset, `momentum = None`, forwards in training
+    mode, as `torch.optim.swa_utils.update_bn` does): changing the statistics is the loop's purpose."""
+    model, _, x, _ = _stepped()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.reset_running_stats()
+            m.momentum = None
+    with findings() as got:
+        model.train()
+        for batch in x.split(2):
+            model(batch)
+    assert got == []
+    norm = model[1]
+    assert int(norm.num_batches_tracked) == 8
+    assert torch.allclose(norm.running_mean, torch.stack([model[0](b).mean(0) for b in x.split(2)]).mean(0))
+    # the same loop over BatchNorm with its usual momentum is the finding
+    evaluation_in_train_mode.reset()
+    model, _, x, _ = _stepped()
+    with findings() as got:
+        for batch in x.split(2):
+            model(batch)
+    assert [w.category for w in got] == [EvaluationInTrainModeWarning]

@@ -124,3 +124,68 @@ def test_a_tensor_p_is_not_read() -> None:
     with findings() as got:
         TensorP().eval()(torch.ones(4))
     assert got == []
+
+
+class CausalSelfAttention(nn.Module):
+    """The shape of karpathy/nanoGPT's model.py before #240: the flash-attention path passes the module's dropout rate
+    to scaled_dot_product_attention whatever its mode (the fix: `self.dropout if self.training else 0`)."""
+
+    def __init__(self, fixed: bool = False) -> None:
+        super().__init__()
+        self.n_head, self.dropout, self.fixed = 2, 0.5, fixed
+        self.c_attn, self.c_proj = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if self.fixed:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None,
+                                               dropout_p=self.dropout if self.training else 0, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+SDPA_LINE = CausalSelfAttention.forward.__code__.co_firstlineno + 8
+
+
+def test_nanogpt_240_attention_dropout_at_evaluation_warns_at_the_attention_line() -> None:
+    torch.manual_seed(0)
+    model = CausalSelfAttention().eval()
+    x = torch.randn(2, 4, 8)
+    with findings() as got, torch.no_grad():
+        a, b = model(x), model(x)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(FunctionalDropoutInEvalWarning, __file__, SDPA_LINE)]
+    message = str(got[0].message)
+    assert message.startswith("ST013 `F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=self.dropout, "
+                              "is_causal=True)` in CausalSelfAttention.forward() keeps dropping attention weights "
+                              "after .eval()")
+    assert message.endswith("Write: dropout_p=self.dropout if self.training else 0.0 (safetorch explain ST013)")
+    assert not torch.equal(a, b)  # what it is about: two evaluations of one input differ
+
+
+def test_attention_dropout_in_training_or_gated_by_the_mode_is_silent() -> None:
+    x = torch.randn(2, 4, 8)
+    with findings() as got:
+        CausalSelfAttention()(x).sum().backward()  # training: dropout wanted
+        fixed = CausalSelfAttention(fixed=True).eval()
+        with torch.no_grad():
+            assert torch.equal(fixed(x), fixed(x))
+        F.scaled_dot_product_attention(x, x, x, dropout_p=0.1)  # no module: a function's own choice
+    assert got == []
+
+
+def test_torchscript_scripts_a_forward_that_calls_attention() -> None:
+    class Attend(nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.10+ deprecates torch.jit.script
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(Attend())
+    q = torch.randn(1, 2, 3, 4)
+    assert torch.equal(scripted(q), Attend()(q))

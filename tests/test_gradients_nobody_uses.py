@@ -119,7 +119,9 @@ def test_a_criterion_module_holding_the_loss_network_is_named() -> None:
 
 
 def test_a_backbone_left_out_of_the_optimizer_is_named_by_its_path() -> None:
-    """Training only the head by giving the optimizer the head's parameters: the backbone still gets gradients."""
+    """Training only the head by giving the optimizer the head's parameters: the backbone still gets gradients. Part
+    of a model the optimizer trains another part of, it is decided after 8 steps (progressive unfreezing adds such a
+    part within a few steps)."""
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("backbone", nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
@@ -127,7 +129,7 @@ def test_a_backbone_left_out_of_the_optimizer_is_named_by_its_path() -> None:
     opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
     x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
     with findings() as got:
-        for _ in range(4):
+        for _ in range(10):
             opt.zero_grad()
             F.cross_entropy(model(x), y).backward()
             opt.step()
@@ -510,3 +512,53 @@ def test_device_path_a_reset_by_value_stays_silent() -> None:
     _deferred.poll(wait=True)
     assert got == []
     assert same
+
+
+def test_neural_style_lbfgs_closure_steps_are_looked_at() -> None:
+    """The PyTorch neural-style tutorial's shape: the image is optimized with LBFGS through `step(closure)`, and the
+    VGG loss network is only put in eval mode (its gradients pile up over every closure call)."""
+    torch.manual_seed(0)
+    vgg = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)).eval()
+    content = torch.randn(1, 3, 8, 8)
+    image = torch.randn(1, 3, 8, 8).requires_grad_(True)  # the tutorial's other start: white noise
+    optimizer = torch.optim.LBFGS([image], max_iter=3)
+    target = vgg(content).detach()
+    line = 0
+    with findings() as got:
+        for _ in range(4):
+            def closure() -> torch.Tensor:
+                nonlocal line
+                optimizer.zero_grad()
+                loss = F.mse_loss(vgg(image), target)
+                loss.backward(); line = lineno()  # noqa: E702
+                return loss
+
+            optimizer.step(closure)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(GradientsNobodyUsesWarning, __file__, line)]
+    assert "computes gradients for vgg (a Sequential, 4 parameters" in str(got[0].message)
+
+
+def test_an_encoder_given_to_the_optimizer_at_the_third_step_is_silent() -> None:
+    """Progressive unfreezing: the head is trained first, the encoder is added with add_param_group at step 3 (its
+    page lists this as silent); the backbone left out for good is still found, once it stayed out for 8 steps."""
+    def run(add_at: int | None, steps: int) -> list[warnings.WarningMessage]:
+        torch.manual_seed(0)
+        model = nn.Sequential()
+        model.add_module("encoder", nn.Sequential(nn.Linear(4, 8), nn.ReLU()))
+        model.add_module("head", nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.head.parameters(), lr=0.1)
+        x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+        with findings() as got:
+            for step in range(steps):
+                if step == add_at:
+                    opt.add_param_group({"params": model.encoder.parameters(), "lr": 0.01})
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+        return got
+
+    assert run(add_at=3, steps=12) == []
+    gradients_nobody_uses.reset()
+    left_out = run(add_at=None, steps=12)
+    assert [w.category for w in left_out] == [GradientsNobodyUsesWarning]
+    assert "computes gradients for model.encoder (a Sequential" in str(left_out[0].message)

@@ -138,3 +138,73 @@ def test_a_late_mistake_in_one_of_two_losses_per_step_is_seen() -> None:
             F.cross_entropy(logits.softmax(1), y); line = lineno()  # noqa: E702
             F.cross_entropy(logits, y)
     assert [(w.category, w.lineno) for w in got] == [(ProbabilitiesIntoLogitsLossWarning, line)]
+
+
+class _SoftmaxNet(nn.Module):
+    """The shape of danielkelshaw/ConcreteDropout's mnist_example.py before PR #12 (issue #11): the model's forward
+    ends in softmax, and train() gives its output to F.cross_entropy."""
+
+    line = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(F.relu(self.fc1(x)))
+        _SoftmaxNet.line = lineno() + 1
+        return F.softmax(out, dim=1)
+
+
+def _train_concrete_dropout(model: nn.Module, steps: int = 2) -> None:
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data, target = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        output = model(data)
+        loss = F.cross_entropy(output, target)
+        loss.backward()
+        optimizer.step()
+
+
+def test_a_forward_that_returns_softmax_is_reported_at_its_softmax_line() -> None:
+    """ConcreteDropout#12 removed the forward's softmax line: that is the line the finding names, not the loss's."""
+    with findings() as got:
+        _train_concrete_dropout(_SoftmaxNet())
+    assert [(w.category, w.filename, w.lineno) for w in got] == [
+        (ProbabilitiesIntoLogitsLossWarning, __file__, _SoftmaxNet.line)]
+    message = str(got[0].message)
+    assert message.startswith("ST009 cross_entropy() got `output`, the output of softmax()")
+    assert "Here _SoftmaxNet.forward returns the output of softmax(), which cross_entropy() at " \
+           "test_probabilities_into_logits.py:" in message
+    assert message.endswith("return the logits from forward, and apply softmax() where probabilities are read "
+                            "(safetorch explain ST009)")
+
+
+def test_a_softmax_in_the_loss_function_itself_stays_at_the_loss_line() -> None:
+    model = nn.Linear(4, 3)
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    with findings() as got:
+        probs = model(x).softmax(dim=1)
+        F.cross_entropy(probs, y); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(ProbabilitiesIntoLogitsLossWarning, line)]
+
+
+def test_a_gnn_loss_on_one_element_of_an_iterated_softmax_is_found() -> None:
+    """The shape of a GNN's per-graph loss: `for out in F.softmax(logits, dim=-1)` iterates by unbind (grad_fn
+    UnbindBackward0), and one element at a time reaches cross_entropy; `outputs[i]` (SelectBackward0) was found."""
+    torch.manual_seed(0)
+    logits, targets = torch.randn(3, 2, 4, requires_grad=True), torch.randint(0, 4, (3, 2))
+    total = torch.zeros(())
+    with findings() as got:
+        for out, target in zip(F.softmax(logits, dim=-1), targets, strict=True):
+            total = total + F.cross_entropy(out, target); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(ProbabilitiesIntoLogitsLossWarning, line)]
+    assert str(got[0].message).startswith("ST009 cross_entropy() got `out`, the output of softmax()")
+    # chunk() and split() pieces are the same mistake; logits iterated are not
+    with findings() as got:
+        F.cross_entropy(F.softmax(logits, dim=-1).chunk(3)[0][0], targets[0])
+        for out, target in zip(logits, targets, strict=True):
+            F.cross_entropy(out, target)
+    assert len(got) == 1

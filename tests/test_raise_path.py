@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import fakehub  # tests/site-packages: a library, put on the path by conftest
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -186,6 +187,22 @@ def st020() -> int:
         opt.zero_grad()
         loss_net(gen(torch.ones(1, 2))).sum().backward()
         opt.step(); line = lineno()  # noqa: E702  (the finding names the backward's line; it raises here)
+    return line
+
+
+def st021() -> int:
+    loss = torch.ones(1).float()  # a call site safetorch reads: the function's comparisons are read with it
+    line = lineno() + 1
+    if loss.item() == float("nan"):
+        pass
+    return line
+
+
+def st022() -> int:
+    buf, kept = np.zeros(2, dtype=np.float32), []
+    for k in range(3):
+        buf[:] = k
+        kept.append(torch.from_numpy(buf)); line = lineno()  # noqa: E702
     return line
 
 

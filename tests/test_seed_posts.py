@@ -17,6 +17,8 @@ from safetorch import (
     EvalModeGradWarning,
     GraphAccumulationWarning,
     LegacyReductionWarning,
+    NanComparisonWarning,
+    SharedMemoryWarning,
     VolatileVariableWarning,
 )
 
@@ -86,6 +88,36 @@ def test_second_post_pitfalls() -> None:
     ]
     assert str(got[0].message).endswith("Write: tensor = tensor.double() (safetorch explain ST001)")
     assert str(got[1].message).endswith("Write: total_loss = total_loss + loss.item() (safetorch explain ST004)")
+
+
+def test_second_post_items_7_and_8_nan_checks_and_shared_memory() -> None:
+    """Item 7: NaN cannot be found with `==` or `is` (the post's own check, `np.isnan(loss.item())`, is silent).
+    Item 8: `torch.as_tensor(a)` of a NumPy array shares its memory: a change through the tensor changes the array."""
+    import numpy
+
+    model = nn.Linear(4, 1)
+    x = torch.randn(8, 4)
+    line = 0
+    with findings() as got:
+        for _ in range(2):
+            loss = model(x).pow(2).mean()
+            if loss.item() == float("nan"):
+                print("Loss value is NaN!")
+            line = lineno() - 2
+            if numpy.isnan(loss.item()):  # the post's advice: silent
+                print("Loss value is NaN!")
+            loss.backward()
+    assert [(w.category, w.lineno) for w in got] == [(NanComparisonWarning, line)]
+    assert str(got[0].message).endswith("Write: math.isnan(loss.item()) (safetorch explain ST021)")
+
+    a = numpy.array([1, 2, 3])
+    with findings() as got:
+        for _ in range(2):
+            t = torch.as_tensor(a); line = lineno()  # noqa: E702
+            t.mul_(2)  # changes a: the tensor is a's memory
+            del t
+    assert [(w.category, w.lineno) for w in got] == [(SharedMemoryWarning, line)]
+    assert a.tolist() == [4, 8, 12]
 
 
 def test_crash_note_names_the_discarded_conversion(tmp_path: os.PathLike[str]) -> None:

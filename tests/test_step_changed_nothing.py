@@ -94,6 +94,27 @@ def test_an_update_below_half_an_ulp_is_not_this_bug() -> None:
     assert got == []
 
 
+def test_radams_first_unrectified_steps_with_small_gradients_are_not_this_bug() -> None:
+    """RAdam's first steps (rho_t <= 5) are SGD with momentum, lr * m̂: with small gradients the update rounds away,
+    which is stagnation, not a dropped update; it was judged as if Adam's lr-sized first update had been lost."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.full((16,), 1.0))
+    opt = torch.optim.RAdam([weight], lr=1e-3)
+    with findings() as got:
+        for _ in range(4):
+            opt.zero_grad()
+            (weight * 1e-6 * torch.randn(16)).sum().backward()
+            opt.step()
+    assert got == []
+    assert torch.equal(weight.detach(), torch.full((16,), 1.0))  # the update did round away: nothing moved
+
+
+def test_radam_put_back_on_its_unrectified_steps_is_still_found() -> None:
+    with findings() as got:
+        _, line = _train(lambda p: torch.optim.RAdam(p, lr=0.1), steps=3, wrap=_restoring)
+    assert [(w.category, w.lineno) for w in got] == [(StepChangedNothingWarning, line)]
+
+
 def test_zero_gradients_prove_nothing() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -65,7 +65,7 @@ import torch
 from torch.autograd import grad_mode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import _backward, _visible
+from .. import _backward, _callsite, _visible
 from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
@@ -459,6 +459,7 @@ def _site_for(module: torch.nn.Module, guard: _Guard, frame: FrameType) -> _Site
     if _nested(frame) or _in_forward(caller):
         _child_call(module, guard, frame)  # a child of a running forward: its parent decides
         return None
+    caller = _evaluation_caller(module, caller)
     site = _sites.site(module, caller)
     if site is not None:
         return site
@@ -467,6 +468,23 @@ def _site_for(module: torch.nn.Module, guard: _Guard, frame: FrameType) -> _Site
     if not any(p.requires_grad for p in module.parameters()):
         site.state = _Site.FROZEN  # nothing to record, nothing to save
     return site
+
+
+_LOOPS = frozenset({"FOR_ITER", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP_ABSOLUTE"})
+
+
+def _evaluation_caller(module: torch.nn.Module, caller: FrameType) -> FrameType:
+    """The line to report: a helper without a loop that only calls the model (``infer(x)``, shared by the training
+    and the validation step, as skorch's was before #219), called by the function (not a script's top level) that put
+    the module in eval mode, is reported at that function's call of the helper, where ``torch.no_grad()`` goes."""
+    entry = _sites.guarded.get(id(module))
+    code = entry[1][0] if entry is not None and entry[1] is not None else None
+    if code is None or code.co_name == "<module>":
+        return caller  # a script's top level: the helper's line is where `safetorch fix` can tell what it may do
+    outer = user_frame(caller.f_back) if caller.f_code is not code else None
+    if outer is None or outer.f_code is not code:
+        return caller
+    return caller if any(i.opname in _LOOPS for i in _callsite.instructions(caller.f_code)) else outer
 
 
 def _watched(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

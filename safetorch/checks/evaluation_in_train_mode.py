@@ -25,7 +25,9 @@ Silent: training forwards (a backward goes through them, or comes between them);
 are used); an evaluation under ``no_grad`` or ``inference_mode`` (no graph: this rule is about the loop with neither
 ``eval()`` nor ``no_grad``); a model in eval mode (ST003's); a model with neither BatchNorm nor dropout (its
 evaluation's numbers do not depend on the mode; ST003's memory message is for eval mode only); modules no optimizer
-trains; outputs whose graph a later loss uses (kept for a contrastive loss, REINFORCE's log-probabilities).
+trains; BatchNorm recalibration (every training-mode BatchNorm with ``momentum = None``: the statistics are
+recomputed on purpose); outputs whose graph a later loss uses (kept for a contrastive loss, REINFORCE's
+log-probabilities).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+from torch.nn.modules.batchnorm import _NormBase
 from torch.optim import Optimizer
 
 from .. import _backward, _steps, _visible
@@ -230,9 +233,17 @@ def _found(site: _Site) -> None:
     if module is None or not module.training:
         return
     effects = train_effects(module)
-    if effects:  # none: its mode no longer changes what an evaluation computes (layers frozen since)
+    if effects and not _recalibrating(module):  # none: the mode no longer changes what an evaluation computes
         count = site.streak + 1  # the forwards here since the last backward
         report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site, effects, count))
+
+
+def _recalibrating(module: torch.nn.Module) -> bool:
+    """Every BatchNorm layer that tracks statistics in training mode has ``momentum = None`` (a cumulative average):
+    the loop recomputes the statistics on purpose (after SWA, or after pruning), as ``swa_utils.update_bn`` does."""
+    norms = [m for m in module.modules() if isinstance(m, _NormBase) and m.training and m.track_running_stats
+             and getattr(m, "running_mean", None) is not None]
+    return bool(norms) and all(m.momentum is None for m in norms)
 
 
 def _flush() -> None:

@@ -213,12 +213,12 @@ def _receiver(place: _Place, name: str) -> str | None:
 
 
 def _modules(frame: FrameType) -> list[tuple[str, nn.Module]]:
-    """The modules the caller's variables hold, with the variable's name (the first one, locals first)."""
+    """The modules the caller's variables hold, with the variable's name (the first one, locals first), and those one
+    attribute below an object that is not a module (``self.model`` where ``self`` is a trainer that builds the
+    optimizer in its ``__init__``, CSCYQJ/MICCAI23-ProtoContra-SFDA#18)."""
     seen: dict[int, tuple[str, nn.Module]] = {}
-    for scope in (_visible.frame_locals(frame), frame.f_globals):
-        for name, value in list(scope.items()):
-            if isinstance(value, nn.Module):
-                seen.setdefault(id(value), (name, value))
+    for name, value in _visible.modules(frame):
+        seen.setdefault(id(value), (name, value))
     return list(seen.values())
 
 

@@ -9,6 +9,12 @@ passes ``training=True`` — so a correct program pays one plain call per ``F.dr
 (``multi_head_attention_forward`` passes ``training``), a helper function without ``self`` (not seen: the rule misses it
 rather than guess), and a module in training mode.
 ``F.alpha_dropout``'s ``training`` defaults to False: it has the opposite mistake, not this one.
+
+``F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout)`` is the same mistake with another spelling
+(karpathy/nanoGPT#240): ``dropout_p`` applies whatever the module's mode. Its replacement looks only at a call with
+a ``dropout_p`` that is not 0 (a training forward's, or this mistake), under the same conditions; torch's builtin is
+called as it was, the replacement is known to TorchScript as the same builtin, and under ``torch.compile`` it only
+calls torch's function.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .._callsite import quoted_call
+from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import Registry, with_globals_of
 from .._report import internal_error, is_internal, report
@@ -67,6 +74,66 @@ def _look(function: str, caller: FrameType, p: Any) -> None:
         internal_error(CODE, exc)
 
 
+def _sdpa_message(module: nn.Module, shown: str, method: str) -> str:
+    return (f"{CODE} {shown} in {type(module).__name__}.{method}() keeps dropping attention weights after .eval(): "
+            f"dropout_p applies whatever the module's mode, so evaluation is noisy and wrong. Write: "
+            f"dropout_p=self.dropout if self.training else 0.0")
+
+
+def _look_sdpa(caller: FrameType, p: Any) -> None:
+    """``F.scaled_dot_product_attention`` with a non-zero ``dropout_p``: is its caller an eval-mode module's?"""
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        code = caller.f_code
+        if code.co_argcount and code.co_varnames[0] == "self" and not is_internal(code):
+            module = caller.f_locals.get("self")
+            if isinstance(module, nn.Module) and not module.training and isinstance(p, (int, float)):
+                shown = "F.scaled_dot_product_attention(...)"
+                report(CODE, caller, lambda: _sdpa_message(module, quoted_call(caller, shown, 100), code.co_name))
+    except Exception as exc:  # strict-mode findings pass through internal_error
+        internal_error(CODE, exc)
+
+
+def _sdpa(original: Any) -> Any:
+    """A plain function in front of torch's builtin: one call and one test of ``dropout_p`` per attention."""
+    look, getframe, compiling = _look_sdpa, sys._getframe, is_compiling
+
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # noqa: F841
+        p = kwargs["dropout_p"] if "dropout_p" in kwargs else args[4] if len(args) > 4 else 0.0
+        if p and not compiling():
+            look(getframe(1), p)
+        return original(*args, **kwargs)
+
+    # torch's builtin has no signature that `inspect` can read; a Python function is expected to have one (code that
+    # lists torch.nn.functional's functions by their parameters reads it): torch's documented one.
+    scaled_dot_product_attention.__signature__ = _SDPA_SIGNATURE  # type: ignore[attr-defined]
+    return scaled_dot_product_attention
+
+
+_SDPA_SIGNATURE = inspect.Signature([
+    *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("query", "key", "value")),
+    *(inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+      for name, default in (("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False))),
+    *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+      for name, default in (("scale", None), ("enable_gqa", False))),
+])
+
+
+_registered: list[Any] = []
+
+
+def _known_to_torchscript(replacement: Any) -> None:
+    """TorchScript compiles a call of a builtin by the function's identity: the replacement is that builtin too."""
+    try:
+        from torch.jit import _builtins
+
+        _builtins._register_builtin(replacement, "aten::scaled_dot_product_attention")
+        _registered.append(replacement)  # the table is keyed by id(): kept alive, so that no id is reused
+    except Exception as exc:  # a torch without this table: scripted attention is then not scripted through us
+        internal_error(CODE, exc, "could not register scaled_dot_product_attention with TorchScript")
+
+
 def _replacement(function: str) -> Any:
     """A plain function with torch's signature, not a wrapt proxy: ``nn.Dropout`` calls it at every forward, and
     it pays one call (torch's function called with a plain positional call) and one identity test. TorchScript
@@ -101,3 +168,5 @@ def _replacement(function: str) -> Any:
 def install(registry: Registry) -> None:
     for function in _FUNCTIONS:
         registry.replace(F, function, _replacement(function), CODE)
+    if hasattr(F, "scaled_dot_product_attention"):
+        _known_to_torchscript(registry.replace(F, "scaled_dot_product_attention", _sdpa, CODE))

@@ -69,6 +69,9 @@ _NODES = 20_000  # autograd nodes walked at most
 _STEPS = 2  # steps of any optimizer a watch must outlast
 _FIRES = 2  # backwards that must reach each watched parameter (the one that began the watch included)
 _GIVE_UP_STEPS = 8  # a watch whose parameters backward no longer reaches ends after this many steps
+#: Steps a watch must outlast when the suspects belong to a model the optimizer trains part of (``model.encoder`` while
+#: ``model.head`` trains): progressive unfreezing gives them to an optimizer a few steps in (``add_param_group``).
+_STEPS_PARTIAL = 8
 _GIVE_UP_FIRES = 256  # ... and one that sees backwards but no step after this many
 _OWNERS = 256  # names looked at for the owning module
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -115,6 +118,7 @@ class _Watch:
     chains: list[_Chain]
     steps: int = 0
     over: bool = False
+    partial: bool = False  # the suspects are part of a model whose other parameters an optimizer holds
 
     def stop(self) -> None:
         """Take the tensor hooks away (safe from inside one of them, and from a step hook)."""
@@ -248,7 +252,7 @@ def _start(tensors: Any, frame: FrameType, method: str) -> None:
         return
     suspects = _Suspects(Spot(frame), method, len(unheld), sum(p.numel() for p in unheld), tuple(unheld[0].shape),
                          weakref.ref(unheld[0]), _owners(frame))
-    watch = _state.watch = _Watch(suspects, chains)
+    watch = _state.watch = _Watch(suspects, chains, partial=_partial(suspects, held))
     for chain in chains:
         param = chain.param()
         if param is None:
@@ -257,6 +261,18 @@ def _start(tensors: Any, frame: FrameType, method: str) -> None:
         chain.handle = LeafHook(param, lambda incoming, watch=watch, chain=chain: _on_backward(watch, chain, incoming))
     if _state.step_hook is None:
         _state.step_hook = register_optimizer_step_pre_hook(_stepped)
+
+
+def _partial(suspects: _Suspects, held: set[int]) -> bool:
+    """Is the first suspect part of a module the frame sees whose other parameters an optimizer holds?"""
+    first = suspects.first()
+    for _, ref in suspects.owners:
+        module = ref()
+        if module is not None and first is not None:
+            params = list(module.parameters())
+            if any(p is first for p in params) and any(id(p) in held for p in params):
+                return True
+    return False
 
 
 def _on_backward(watch: _Watch, chain: _Chain, incoming: torch.Tensor) -> None:
@@ -297,10 +313,11 @@ def _stepped(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
         if watch is None or is_compiling():
             return
         watch.steps += 1
-        if watch.steps >= _STEPS and all(chain.fired >= _FIRES for chain in watch.chains):
+        need = _STEPS_PARTIAL if watch.partial else _STEPS
+        if watch.steps >= need and all(chain.fired >= _FIRES for chain in watch.chains):
             _state.end()
             _decide(watch)
-        elif watch.steps >= _GIVE_UP_STEPS:
+        elif watch.steps >= _GIVE_UP_STEPS + need - _STEPS:
             _state.end()
         settle()  # a step hook: no backward runs
     except Exception as exc:  # strict-mode findings pass through internal_error
@@ -443,6 +460,16 @@ def _look(optimizer: Optimizer, look: int, caller: FrameType, more: bool) -> Non
         _state.listen()
 
 
+def _look_closure(optimizer: Optimizer, closure: Any, caller: FrameType) -> Any:
+    """A looked-at ``step(closure)`` (LBFGS): its backwards run inside the step, after the pre-hook; arm the listener
+    for the first of them all the same. The closure is the user's, unchanged."""
+    try:
+        _look(optimizer, 0, caller, False)
+    except Exception as exc:
+        internal_error(CODE, exc)
+    return closure
+
+
 def _at_backward(tensors: Any) -> None:
     """The one-shot backward listener: take a stale step hook away, and begin a watch when armed."""
     try:
@@ -468,7 +495,7 @@ def reset() -> None:
 
 
 def install(registry: Registry) -> None:
-    _steps.listen(CODE, _look)
+    _steps.listen(CODE, _look, closure=_look_closure)
 
 
 def uninstall() -> None:

@@ -15,6 +15,10 @@ loss calls apart, and a loss computed with autograd off is not read). Silent: ra
 ``log_softmax(dim=1)``, ``torch.log(probs)`` into ``nll_loss``, softmaxed *targets* (distillation, label smoothing:
 only the input is looked at), and any loss computed under ``no_grad`` (validation: the training loop, which has the
 same line or the same mistake, is where it is reported).
+
+Where it is reported: at the loss's line, unless the function that calls the loss has no ``softmax``/``sigmoid`` of
+its own and the models it holds (its variables, ``self``) have exactly one line in their ``forward`` that calls one
+(``return F.softmax(out, dim=1)``): the model returns probabilities, and that line is the one to change.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 from .. import _callsite, _losses
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
-from .._report import internal_error, report, user_frame
+from .._report import internal_error, is_internal, report, report_at, user_frame
 from .._rule import Rule
 
 CODE = "ST009"
@@ -52,6 +56,8 @@ _SHAPE_ONLY = frozenset({
     "TransposeBackward1", "TBackward0", "CloneBackward0", "ToCopyBackward0", "SqueezeBackward0", "SqueezeBackward1",
     "SqueezeBackward2", "SqueezeBackward3", "SqueezeBackward4", "UnsqueezeBackward0", "SliceBackward0",
     "SelectBackward0", "ExpandBackward0", "AliasBackward0",
+    # one part of a split: `for out in softmax(...)` iterates by unbind; chunk() and split() give their pieces
+    "UnbindBackward0", "SplitBackward0", "SplitWithSizesBackward0",
 })
 _HOPS = 4
 _WANTS = {"cross_entropy": "SoftmaxBackward0", "nll_loss": "SoftmaxBackward0",
@@ -129,8 +135,64 @@ def _check(loss: str, input: Any, loss_frame: FrameType) -> None:
     elif kind != _WANTS[loss]:
         return
     frame = user_frame(loss_frame.f_back)
-    if frame is not None:
+    if frame is None:
+        return
+    origin = _in_forward(frame, kind) if kind in ("SoftmaxBackward0", "SigmoidBackward0") else None
+    if origin is None:
         report(CODE, frame, lambda: _message(loss, kind, frame, dim))
+        return
+    code, line, module_globals, owner = origin
+    where = f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+    squash = "sigmoid" if kind == "SigmoidBackward0" else "softmax"
+    report_at(CODE, code.co_filename, line, module_globals, lambda: (
+        f"{_message(loss, kind, frame, dim)}. Here {owner}.forward returns the output of {squash}(), which "
+        f"{loss}() at {where} is given: return the logits from forward, and apply {squash}() where probabilities "
+        f"are read"))
+
+
+_NAME_LOADS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF",
+                         "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_FAST_LOAD_FAST", "LOAD_SUPER_ATTR"})
+#: Modules of the caller's models read for the line that applies softmax: a bound on a very large model.
+MAX_MODULES = 4096
+
+
+def _loads(code: Any, name: str) -> list[int]:
+    """The lines of ``code`` that load ``name`` (``F.softmax``, ``x.softmax``, ``self.softmax``, ``softmax``)."""
+    lines = []
+    for ins in _callsite.instructions(code):
+        if ins.opname in _NAME_LOADS and (name in ins.argval if isinstance(ins.argval, tuple) else ins.argval == name):
+            spot = _callsite.Spot.at(code, ins.offset, {})
+            lines.append(spot.f_lineno)
+    return lines
+
+
+def _in_forward(frame: FrameType, kind: str) -> tuple[Any, int, dict[str, Any], str] | None:
+    """(code, line, globals, class name) of the one ``forward`` line among the caller's models that applies the
+    squashing function, when the caller applies none itself; else None."""
+    name = "sigmoid" if kind == "SigmoidBackward0" else "softmax"
+    if _loads(frame.f_code, name):
+        return None
+    found: dict[tuple[Any, int], tuple[dict[str, Any], str]] = {}
+    seen: set[Any] = set()
+    count = 0
+    for value in list(_callsite.frame_locals(frame).values()):
+        if not isinstance(value, torch.nn.Module):
+            continue
+        for module in value.modules():
+            count += 1
+            if count > MAX_MODULES:
+                return None
+            forward = getattr(type(module), "forward", None)
+            code = getattr(forward, "__code__", None)
+            if code is None or code in seen or is_internal(code):
+                continue
+            seen.add(code)
+            for line in _loads(code, name):
+                found[(code, line)] = (getattr(forward, "__globals__", {}), type(module).__qualname__)
+    if len(found) != 1:
+        return None
+    (code, line), (module_globals, owner) = next(iter(found.items()))
+    return code, line, module_globals, owner
 
 
 def install(registry: Registry) -> None:

@@ -11,7 +11,8 @@ How it is seen: in the shared step hooks (`safetorch._steps`: an optimizer's fir
 gradient are copied with their gradients; right after the step (the post-hook, which runs after the optimizer's own
 post-hooks, so a wrapper's restore is seen) they are compared. An element *counts* only where the update torch's math
 makes is certain to move it: a finite, non-zero gradient, and an update size (``lr * |grad|`` for SGD-like steps,
-``lr`` for the adaptive ones, whose first update is ``lr`` per element) above 64 units in the last place of the value
+``lr`` for the adaptive ones, whose first update is ``lr`` per element; RAdam's first, un-rectified steps are SGD with
+momentum, ``lr * |m̂|``) above 64 units in the last place of the value
 (an update below half an ulp leaves a float unchanged: bf16 weights with a tiny learning rate are not this bug).
 ST018 is reported when at least one element counts and none of them changed.
 
@@ -93,7 +94,30 @@ def _strided(t: torch.Tensor) -> torch.Tensor | None:
     return flat[:: max(1, flat.numel() // _K)][:_K]
 
 
-def _sample(p: torch.Tensor, lr: float, kind: type, group: dict[str, Any]) -> _Sample | None:
+def _unrectified(grad: torch.Tensor, lr: float, group: dict[str, Any], state: Any) -> torch.Tensor | None:
+    """RAdam's update size on a step it does not rectify (its first ~5 with the default betas): SGD with momentum,
+    ``lr * |m̂|`` where ``m̂`` is the bias-corrected average of the gradients including this one. None on a rectified
+    step (then it is adaptive, ``lr`` per element), or when the state cannot be read without waiting for a device."""
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    state = state if isinstance(state, dict) else {}
+    step = state.get("step", 0)
+    if isinstance(step, torch.Tensor):
+        if not step.is_cpu:
+            return None
+        step = step.item()
+    step = float(step) + 1
+    rho_inf = 2 / (1 - beta2) - 1
+    if rho_inf - 2 * step * beta2 ** step / (1 - beta2 ** step) > 5:
+        return None
+    average = grad.float() * (1 - beta1)
+    exp_avg = state.get("exp_avg")
+    previous = _strided(exp_avg) if isinstance(exp_avg, torch.Tensor) else None
+    if previous is not None and previous.shape == grad.shape:
+        average = average + beta1 * previous.float()
+    return lr * average.abs() / (1 - beta1 ** step)
+
+
+def _sample(p: torch.Tensor, lr: float, kind: type, group: dict[str, Any], state: Any = None) -> _Sample | None:
     g = p.grad
     if g is None or g.is_sparse or g.shape != p.shape:
         return None
@@ -101,7 +125,10 @@ def _sample(p: torch.Tensor, lr: float, kind: type, group: dict[str, Any]) -> _S
     if view is None or grad is None or grad.shape != view.shape:
         return None
     size = grad.abs().float()
-    if kind in _SGD_LIKE:
+    unrectified = _unrectified(grad, lr, group, state) if kind is torch.optim.RAdam else None
+    if unrectified is not None:
+        size = unrectified
+    elif kind in _SGD_LIKE:
         size = size * lr
     elif kind in _ADADELTA:
         eps = float(group.get("eps", 1e-6))
@@ -128,7 +155,7 @@ def _before(optimizer: Optimizer, look: int, caller: FrameType, more: bool) -> N
             if not lr or lr <= 0 or group.get("maximize") or group.get("differentiable"):
                 continue
             for p in group["params"]:
-                sample = _sample(p, lr, kind, group)
+                sample = _sample(p, lr, kind, group, optimizer.state.get(p))
                 if sample is not None:
                     samples.append(sample)
                     if len(samples) == _PARAMS:
