@@ -2,7 +2,7 @@
 "It seems like the last layer is not frozen?": the adaptation stage froze the segmentation head with
 `self.model.outc.requires_grad = False`, a plain attribute of the module, and then built the optimizer over all of the
 model's parameters, so the head was trained anyway; the fix is `requires_grad_(False)` (the reporter's, confirmed by
-the authors). The rule reports where the optimizer is built, naming the freeze's line."""
+the authors). The rule reports at the freeze's line, the one the fix changes, naming the optimizer that proves it."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -22,8 +22,8 @@ class Adapter:
     def __init__(self):
         torch.manual_seed(0)
         self.model = UNet()
-        self.model.outc.requires_grad = False
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)  # ST015: outc is still trained
+        self.model.outc.requires_grad = False  # ST015: outc is still trained
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
 
     def adapt(self, steps=2):
         for _ in range(steps):
