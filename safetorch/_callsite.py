@@ -27,8 +27,8 @@ from inspect import CO_OPTIMIZED
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "is_discarded",
-           "frame_locals", "method_call", "normalized", "quoted_call", "source_line", "trim"]
+__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "fills", "getline",
+           "is_discarded", "frame_locals", "method_call", "normalized", "quoted_call", "source_line", "trim"]
 
 _SNAPSHOT = sys.version_info < (3, 13)
 
@@ -221,6 +221,49 @@ def accumulates(frame: FrameType) -> bool:
     trim(_accumulates, MAX_ANSWERS)
     _accumulates[key] = (code, answer)
     return answer
+
+
+#: Methods that put an item into a container (a list's, a dict's, a deque's, a set's).
+_FILLERS = frozenset({"append", "extend", "insert", "update", "setdefault", "add", "appendleft", "extendleft"})
+
+
+def _line_at(code: CodeType, offset: int) -> int | None:
+    for start, end, number in code.co_lines():
+        if start <= offset < end:
+            return number
+    return None
+
+
+def _names(ins: dis.Instruction, target: str, attribute: bool) -> bool:
+    """Whether ``ins`` loads (or stores, for a store) the holder: a variable, or an attribute (``self.losses``)."""
+    if attribute:
+        return ins.opname in ("LOAD_ATTR", "STORE_ATTR") and ins.argval == target
+    if ins.opname in _LOADS:
+        return bool(_loaded(ins) == target)
+    return ins.opname in _STORES and _stored(ins) == target
+
+
+def fills(code: CodeType, name: str) -> int | None:
+    """The first line of ``code`` that puts something into the holder ``name`` (``losses.append(x)``,
+    ``d[k] = x``, ``total += x``; ``self.losses`` for an attribute), or None. Read from the bytecode, once per
+    finding: `safetorch._graphs` names the line where a kept graph's holder is filled."""
+    attribute = "." in name
+    target = name.rsplit(".", 1)[-1]
+    instructions = _info(code).instructions
+    for i, ins in enumerate(instructions):
+        nxt = instructions[i + 1] if i + 1 < len(instructions) else None
+        if nxt is not None and ins.opname in (*_LOADS, "LOAD_ATTR") and _names(ins, target, attribute) \
+                and nxt.opname in ("LOAD_METHOD", "LOAD_ATTR") and nxt.argval in _FILLERS:
+            return _line_at(code, ins.offset)
+        if ins.opname == "STORE_SUBSCR":
+            container = _producer(instructions, i, 1)
+            if container is not None and _names(container, target, attribute):
+                return _line_at(code, ins.offset)
+        if ins.opname == "INPLACE_ADD" or (ins.opname == "BINARY_OP" and ins.argrepr == "+="):
+            for store in instructions[i + 1: i + 3]:
+                if store.opname in (*_STORES, "STORE_ATTR") and _names(store, target, attribute):
+                    return _line_at(code, ins.offset)
+    return None
 
 
 def source_line(frame: FrameType) -> str:
