@@ -15,8 +15,20 @@ from types import FrameType, TracebackType
 import torch
 
 from . import _graphs
-from ._callsite import fills, getline, normalized
+from ._callsite import fills, getline
 from ._report import is_internal
+
+
+def statement_of(line: str, name: str) -> str:
+    from .checks.graph_accumulation import statement_of as of
+
+    return of(line, name)
+
+
+def fixed(statement: str, suffix: str) -> str:
+    from .checks.graph_accumulation import fixed as fix
+
+    return fix(statement, suffix)
 
 __all__ = ["is_out_of_memory", "note", "release", "reserve"]
 
@@ -84,15 +96,14 @@ def _where(holder: _graphs.Holder, frames: list[FrameType]) -> tuple[str, int, s
     for frame in [holder.frame, *frames]:
         line = fills(frame.f_code, holder.name)
         if line is not None:
-            text = normalized(getline(frame.f_code.co_filename, line, frame.f_globals))
+            text = statement_of(getline(frame.f_code.co_filename, line, frame.f_globals), holder.name)
             return frame.f_code.co_filename, line, text
     frame = holder.frame
-    return frame.f_code.co_filename, frame.f_lineno, normalized(getline(frame.f_code.co_filename, frame.f_lineno))
+    return frame.f_code.co_filename, frame.f_lineno, statement_of(getline(frame.f_code.co_filename, frame.f_lineno),
+                                                                   holder.name)
 
 
 def _fix(holder: _graphs.Holder, statement: str) -> str:
-    from .checks.graph_accumulation import fixed
-
     scalar = all(t.numel() == 1 for t in holder.tensors[:8])
     return fixed(statement, ".item()" if scalar else ".detach()")
 

@@ -331,7 +331,7 @@ def _report_holder(holder: _graphs.Holder, frames: list[FrameType]) -> None:
     where = _filled(holder, frames)
     acc = _graphs.account(holder.tensors)
     filename, lineno, module_globals = where
-    statement = normalized(getline(filename, lineno, module_globals))
+    statement = statement_of(getline(filename, lineno, module_globals), holder.name)
     report_at(CODE, filename, lineno, module_globals, lambda: holder_message(holder, statement, acc))
 
 
@@ -357,6 +357,21 @@ def holder_message(holder: _graphs.Holder, statement: str, acc: _graphs.Account)
         what = (f"{shown} keeps the autograd graph of every tensor it stores: {holder.describe()} holds "
                 f"{len(holder.tensors)} graphs across steps{unused}.")
     return f"{CODE} {what} {_memory(acc, not isinstance(holder.value, torch.Tensor))} Write: {fix}"
+
+
+def statement_of(line: str, name: str) -> str:
+    """The statement of a source line that fills the holder ``name`` (a line may hold several, ``a; b``), on one line
+    as a message quotes it."""
+    text = line.strip()
+    try:
+        body = ast.parse(text, mode="exec").body
+    except SyntaxError:
+        return normalized(text)
+    for node in body:
+        segment = ast.get_source_segment(text, node) or ""
+        if name in segment:
+            return normalized(segment)
+    return normalized(text)
 
 
 def fixed(statement: str, suffix: str) -> str:
