@@ -453,7 +453,7 @@ def _fix_st003(tree: _Tree, f: Finding) -> Edit | str:
 def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
     import libcst as cst
 
-    match = re.search(r"Write: .*?(\.item\(\)|\.detach\(\))$", f.message.strip())
+    match = re.search(r"Write: .*(\.item\(\)|\.detach\(\))\)?$", f.message.strip())  # `losses.append(x.item())`
     if match is None:
         return "the finding does not say what to write"
     method = match.group(1)[1:-2]
@@ -473,13 +473,35 @@ def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
 
             return tree.edit(f, small, None, make)
         if isinstance(small, cst.Assign) and isinstance(small.value, cst.BinaryOperation) \
-                and isinstance(small.value.operator, cst.Add):
+                and isinstance(small.value.operator, cst.Add) and len(small.targets) == 1 \
+                and small.targets[0].target.deep_equals(small.value.left):
 
             def make_bin(node: Any) -> Any:
                 return node.with_changes(value=node.value.with_changes(right=called(node.value.right)))
 
             return tree.edit(f, small, None, make_bin)
+        if isinstance(small, cst.Assign) and len(small.targets) == 1 \
+                and isinstance(small.targets[0].target, cst.Subscript):  # history[step] = loss
+
+            def make_item(node: Any) -> Any:
+                return node.with_changes(value=called(node.value))
+
+            return tree.edit(f, small, None, make_item)
+        call = small.value if isinstance(small, cst.Expr) else None
+        if isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and call.args \
+                and call.func.attr.value in _FILLERS:  # losses.append(loss)
+
+            def make_call(node: Any) -> Any:
+                args = list(node.value.args)
+                args[-1] = args[-1].with_changes(value=called(args[-1].value))
+                return node.with_changes(value=node.value.with_changes(args=args))
+
+            return tree.edit(f, small, None, make_call)
     return "no accumulation at that line"
+
+
+#: Methods that store their last argument as one item (ST004's containers).
+_FILLERS = frozenset({"append", "appendleft", "insert", "add"})
 
 
 def _fix_st005(tree: _Tree, f: Finding) -> Edit | str:
