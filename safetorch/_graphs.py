@@ -231,6 +231,19 @@ def _named(frame: FrameType) -> Iterator[tuple[str, Any]]:
                 yield f"self.{attr}", sub
 
 
+_PROBE = 16  # items at each end of a container looked at before all of them are
+
+
+def _probe(value: list[Any] | tuple[Any, ...] | deque[Any] | dict[Any, Any]) -> bool:
+    """Whether a container may hold graphs: one of its first or last few items carries one (a list of losses does
+    at its end; a dataset of plain tensors at neither), so that a long container without is not read through."""
+    if len(value) <= 2 * _PROBE:
+        return True
+    items = list(value.values()) if isinstance(value, dict) else value
+    ends = [items[i] for i in (*range(_PROBE), *range(-_PROBE, 0))]
+    return first_graph_item(ends) is not None
+
+
 def holders(frames: Iterable[FrameType]) -> list[Holder]:
     """The names in ``frames`` that hold tensors carrying a graph: a tensor, or a container of them. A value seen
     under two names (a frame's and its caller's) is given once, under the first."""
@@ -244,7 +257,7 @@ def holders(frames: Iterable[FrameType]) -> list[Holder]:
                 tensors = [value]
             elif isinstance(value, dict) and "__builtins__" in value:
                 continue  # a module's namespace (runpy's run_globals): its names are looked at as the module's
-            elif isinstance(value, (list, tuple, deque, dict)):
+            elif isinstance(value, (list, tuple, deque, dict)) and _probe(value):
                 tensors = [t for _, t in graph_items(value)]
             else:
                 continue

@@ -165,9 +165,10 @@ def _decide(watch: _Watch, backwards: int) -> bool:
 
     Innocent: its graph is gone, or a backward ran through it (a regularisation term, a loss summed over
     resolutions in one call, with any number of backwards per step). Found: the accumulator was added to again
-    after a backward that did not consume it (it sums across steps); or, having survived a backward unconsumed,
-    its graph holds the saved tensors of several forwards no backward used (an evaluation's sum), or a graph a
-    backward had already consumed before it was summed (the loss of an earlier step)."""
+    after a backward that did not consume it (it sums across steps); it sums a graph a backward had consumed before
+    (the loss of an earlier step); or its graph survived `_SURVIVE` backwards unconsumed holding the saved tensors
+    of several forwards (an evaluation's sum, kept under its own name or another: ``val = total / n``). Several
+    backwards, not one: a GAN may sum its generator's loss before the discriminator's backward."""
     marker = watch.marker()
     if marker is None or marker.consumed:
         return True
@@ -180,7 +181,15 @@ def _decide(watch: _Watch, backwards: int) -> bool:
     if result is not None and watch.version is not None and result._version != watch.version:
         _report_watch(watch, [result], None)
         return True
-    evaluation = watch.created == 0 and (watch.version is None or watch.version >= _ADDS)
+    if watch.looked == 2 and result is not None:
+        acc = _graphs.account([result], limit=_RELEASED_NODES)
+        if acc.released:
+            _report_watch(watch, [result], None)
+            return True
+    if watch.looked < _SURVIVE:
+        return False
+    if watch.created or (watch.version is not None and watch.version < _ADDS):
+        return True  # a backward came while it was summed, or it is one or two terms: not an evaluation's sum
     holder = None
     tensors = [result] if result is not None else []
     if result is None:  # the accumulator is gone; its graph lives on in what was made of it (`val = total / n`)
@@ -188,11 +197,13 @@ def _decide(watch: _Watch, backwards: int) -> bool:
         tensors = holder.tensors if holder is not None else []
     if tensors:
         acc = _graphs.account(tensors)
-        if acc.released or (evaluation and acc.bytes >= MIN_BYTES):
+        if acc.bytes >= MIN_BYTES:
             _report_watch(watch, tensors, holder, acc)
     return True
 
 
+_SURVIVE = 4  # backwards an unconsumed sum must outlive to be an evaluation's
+_RELEASED_NODES = 512  # nodes walked to find a summed graph that a backward had consumed: its own come first
 _ADDS = 2  # in-place additions after the first, with no backward between: a loop's sum, not one term
 #: Bytes of saved tensors (the parameters' not counted) an unconsumed sum must hold to be an evaluation's: a
 #: regularisation term saves the parameters themselves, and a few scalars.
