@@ -17,6 +17,7 @@ Design rules:
 
 from __future__ import annotations
 
+import ast
 import gc
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -26,9 +27,10 @@ from typing import Any
 
 import torch
 
-from ._callsite import frame_locals
+from ._callsite import frame_locals, normalized
 
-__all__ = ["Account", "Holder", "Marker", "account", "graph_items", "holders", "human", "mark", "marker_of", "sums"]
+__all__ = ["Account", "Holder", "Marker", "account", "fixed", "graph_items", "holders", "human", "mark", "marker_of",
+           "statement_of", "sums"]
 
 TAG = "safetorch"
 #: Nodes walked per account at most: a long-kept graph has millions; the bytes of its first ones tell the story.
@@ -296,3 +298,42 @@ def graph_tensors() -> list[torch.Tensor]:
         except Exception:
             continue
     return out
+
+
+def statement_of(line: str, name: str) -> str:
+    """The statement of a source line that fills the holder ``name`` (a line may hold several, ``a; b``), on one line
+    as a message quotes it."""
+    text = line.strip()
+    try:
+        body = ast.parse(text, mode="exec").body
+    except SyntaxError:
+        return normalized(text)
+    for node in body:
+        segment = ast.get_source_segment(text, node) or ""
+        if name in segment:
+            return normalized(segment)
+    return normalized(text)
+
+
+def fixed(statement: str, suffix: str) -> str:
+    """The line with ``suffix`` (``.item()``, ``.detach()``) on the value it stores: ``losses.append(loss.item())``,
+    ``total += loss.detach()``, ``d[k] = loss.item()``. A line that is none of these is named with a generic fix."""
+    try:
+        node: Any = ast.parse(statement, mode="exec").body[0]
+    except (SyntaxError, IndexError):
+        node = None
+    value = None
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and node.value.args:
+        value = node.value.args[-1]
+    elif isinstance(node, (ast.AugAssign, ast.Assign)):
+        value = node.value
+    if not isinstance(value, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.BinOp, ast.UnaryOp)):
+        return f"store the value{suffix} (a number, or a tensor without a graph)"
+    start, end = value.col_offset, value.end_col_offset
+    if value.lineno != 1 or value.end_lineno != 1 or end is None:
+        return f"store the value{suffix} (a number, or a tensor without a graph)"
+    text = statement.encode()
+    segment = text[start:end].decode()
+    if not isinstance(value, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
+        segment = f"({segment})"
+    return (text[:start].decode() + segment + suffix + text[end:].decode()).strip()

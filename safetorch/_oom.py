@@ -18,18 +18,6 @@ from . import _graphs
 from ._callsite import fills, getline
 from ._report import is_internal
 
-
-def statement_of(line: str, name: str) -> str:
-    from .checks.graph_accumulation import statement_of as of
-
-    return of(line, name)
-
-
-def fixed(statement: str, suffix: str) -> str:
-    from .checks.graph_accumulation import fixed as fix
-
-    return fix(statement, suffix)
-
 __all__ = ["is_out_of_memory", "note", "release", "reserve"]
 
 #: Address space set aside at install for writing the note when memory has run out: an anonymous mapping never
@@ -93,19 +81,20 @@ def _unconsumed(tensors: list[torch.Tensor]) -> tuple[int, _graphs.Account]:
 
 
 def _where(holder: _graphs.Holder, frames: list[FrameType]) -> tuple[str, int, str]:
+    """Where the holder is filled (the first line of the frames' code that puts into it), and that statement."""
     for frame in [holder.frame, *frames]:
         line = fills(frame.f_code, holder.name)
         if line is not None:
-            text = statement_of(getline(frame.f_code.co_filename, line, frame.f_globals), holder.name)
-            return frame.f_code.co_filename, line, text
-    frame = holder.frame
-    return frame.f_code.co_filename, frame.f_lineno, statement_of(getline(frame.f_code.co_filename, frame.f_lineno),
-                                                                   holder.name)
+            break
+    else:
+        frame, line = holder.frame, holder.frame.f_lineno
+    filename = frame.f_code.co_filename
+    return filename, line, _graphs.statement_of(getline(filename, line, frame.f_globals), holder.name)
 
 
 def _fix(holder: _graphs.Holder, statement: str) -> str:
     scalar = all(t.numel() == 1 for t in holder.tensors[:8])
-    return fixed(statement, ".item()" if scalar else ".detach()")
+    return _graphs.fixed(statement, ".item()" if scalar else ".detach()")
 
 
 def note(exc: BaseException) -> str | None:

@@ -8,8 +8,15 @@ reader whether the instruction is ``acc += x`` or ``acc = acc + x`` (the same na
 
 An accumulation into a number is also how a regularisation term is built (``l2 = 0.0; for p in params: l2 +=
 p.norm()``), which is legitimate: it is part of this step's loss. So the finding is made at once only for a tensor
-a backward() has already started from (``loss.backward(); total_loss += loss``); otherwise the accumulator is
-watched, and reported at its line once it has outlived two backwards — when it sums across steps.
+a backward() has already started from (``loss.backward(); total_loss += loss``); otherwise the node that starts the
+sum is marked (`safetorch._graphs.mark`: its lifetime and whether a backward ran through it) and the sum is decided
+at the coming backwards (`_decide`), or at exit.
+
+The same graphs kept by a tensor summed in place, a list or a dict reach no wrapper: at the optimizer steps that
+`safetorch._steps` looks at, the names the ``step()`` line and its callers see are noted, and one that a later look
+finds grown with what the earlier saw still in it is reported at the line that fills it (`_look`). The memory they
+hold is in the message (`safetorch._graphs.account`); an out-of-memory error gets a note naming them
+(`crash_notes`, `safetorch._oom`).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any
 import torch
 
 from .. import _backward, _graphs, _oom, _steps
-from .._callsite import accumulates, call_source, fills, getline, normalized
+from .._callsite import accumulates, call_source, fills, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
@@ -36,13 +43,13 @@ CODE = "ST004"
 
 
 class GraphAccumulationWarning(SafetorchWarning):
-    """ST004: a tensor carrying a graph was accumulated into a Python number."""
+    """ST004: graphs no backward will consume kept across steps by an accumulator or a container."""
 
     code = "ST004"
 
 
 RULE = Rule("ST004", "graph-accumulation", GraphAccumulationWarning,
-            "a loss carrying a graph accumulated into a Python number")
+            "graphs kept across steps by a number, a tensor, a list or a dict (total += loss)")
 
 _is_compiling = is_compiling
 _NUMBER = (int, float, complex)
@@ -342,7 +349,7 @@ def _report_holder(holder: _graphs.Holder, frames: list[FrameType]) -> None:
     where = _filled(holder, frames)
     acc = _graphs.account(holder.tensors)
     filename, lineno, module_globals = where
-    statement = statement_of(getline(filename, lineno, module_globals), holder.name)
+    statement = _graphs.statement_of(getline(filename, lineno, module_globals), holder.name)
     report_at(CODE, filename, lineno, module_globals, lambda: holder_message(holder, statement, acc))
 
 
@@ -358,7 +365,7 @@ def _filled(holder: _graphs.Holder, frames: list[FrameType]) -> tuple[str, int, 
 def holder_message(holder: _graphs.Holder, statement: str, acc: _graphs.Account) -> str:
     """``ST004 `losses.append(loss)` keeps ...: `losses` (list, 240 items) holds 240 graphs ... Write: ...``"""
     scalar = all(t.numel() == 1 for t in holder.tensors[:8])
-    fix = fixed(statement, ".item()" if scalar else ".detach()")
+    fix = _graphs.fixed(statement, ".item()" if scalar else ".detach()")
     shown = f"`{statement}`" if statement and len(statement) <= 100 else "this line"
     if isinstance(holder.value, torch.Tensor):
         what = (f"{shown} adds a tensor that requires grad to the tensor `{holder.name}`: it keeps the autograd graph "
@@ -368,45 +375,6 @@ def holder_message(holder: _graphs.Holder, statement: str, acc: _graphs.Account)
         what = (f"{shown} keeps the autograd graph of every tensor it stores: {holder.describe()} holds "
                 f"{len(holder.tensors)} graphs across steps{unused}.")
     return f"{CODE} {what} {_memory(acc, not isinstance(holder.value, torch.Tensor))} Write: {fix}"
-
-
-def statement_of(line: str, name: str) -> str:
-    """The statement of a source line that fills the holder ``name`` (a line may hold several, ``a; b``), on one line
-    as a message quotes it."""
-    text = line.strip()
-    try:
-        body = ast.parse(text, mode="exec").body
-    except SyntaxError:
-        return normalized(text)
-    for node in body:
-        segment = ast.get_source_segment(text, node) or ""
-        if name in segment:
-            return normalized(segment)
-    return normalized(text)
-
-
-def fixed(statement: str, suffix: str) -> str:
-    """The line with ``suffix`` (``.item()``, ``.detach()``) on the value it stores: ``losses.append(loss.item())``,
-    ``total += loss.detach()``, ``d[k] = loss.item()``. A line that is none of these is named with a generic fix."""
-    try:
-        node: Any = ast.parse(statement, mode="exec").body[0]
-    except (SyntaxError, IndexError):
-        node = None
-    value = None
-    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and node.value.args:
-        value = node.value.args[-1]
-    elif isinstance(node, (ast.AugAssign, ast.Assign)):
-        value = node.value
-    if not isinstance(value, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.BinOp, ast.UnaryOp)):
-        return f"store the value{suffix} (a number, or a tensor without a graph)"
-    start, end = value.col_offset, value.end_col_offset
-    if value.lineno != 1 or value.end_lineno != 1 or end is None:
-        return f"store the value{suffix} (a number, or a tensor without a graph)"
-    text = statement.encode()
-    segment = text[start:end].decode()
-    if not isinstance(value, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
-        segment = f"({segment})"
-    return (text[:start].decode() + segment + suffix + text[end:].decode()).strip()
 
 
 def crash_notes(exc: BaseException) -> list[str]:
