@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .. import _backward, _graphs, _oom, _steps
-from .._callsite import accumulates, call_source, fills, getline
+from .._callsite import Spot, accumulates, call_source, fills, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
@@ -55,9 +55,9 @@ _is_compiling = is_compiling
 _NUMBER = (int, float, complex)
 
 
-def _message(frame: FrameType, value: torch.Tensor) -> tuple[str, str]:
+def _message(frame: FrameType | Spot, numel: int) -> tuple[str, str]:
     """The finding's head and its fix (``Write: ...``); a decision made later puts the memory held between them."""
-    fix = ".item()" if value.numel() == 1 else ".detach()"
+    fix = ".item()" if numel == 1 else ".detach()"
     target = addend = None
     op = "+="
     text = call_source(frame)
@@ -98,7 +98,8 @@ class _Watch:
     filename: str
     lineno: int
     module_globals: dict[str, Any]
-    message: tuple[str, str]
+    spot: Spot  # the line, read for the message only when there is a finding
+    numel: int
     created: int  # backwards started before the accumulation began
     version: int | None = None  # the accumulator's version at the first backward that looked at it
     looked: int = 0  # backwards that looked at it
@@ -126,7 +127,7 @@ class _RAdd(MethodPatch):
                         frame = _getframe(1)
                         if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
                             if _was_backwarded(instance):
-                                report(CODE, frame, lambda: " ".join(_message(frame, instance)))
+                                report(CODE, frame, lambda: " ".join(_message(frame, instance.numel())))
                             else:
                                 _watch(frame, instance, result)
             except Exception as exc:  # strict-mode findings pass through internal_error
@@ -149,7 +150,7 @@ def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
         marker = _graphs.mark(result, key)
         if marker is not None:
             _watches[key] = _Watch(weakref.ref(result), weakref.ref(marker), key[0], key[1], frame.f_globals,
-                                   _message(frame, value), _backward.count)
+                                   Spot(frame), value.numel(), _backward.count)
 
 
 def _before_backward(tensors: Any) -> None:
@@ -240,7 +241,7 @@ _FRAMES = 6  # frames looked at, from the running line outwards
 
 def _report_watch(watch: _Watch, tensors: list[torch.Tensor], holder: _graphs.Holder | None,
                   acc: _graphs.Account | None = None) -> None:
-    head, fix = watch.message
+    head, fix = _message(watch.spot, watch.numel)
     acc = acc if acc is not None else _graphs.account(tensors)
     held = f" {holder.describe()} holds it now." if holder is not None else ""
     text = f"{head}{held} {_memory(acc)} Write: {fix.removeprefix('Write: ')}"
