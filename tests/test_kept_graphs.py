@@ -448,3 +448,31 @@ def test_out_of_memory_carries_the_note_naming_the_line_and_the_holder(shape: st
                       rf"holds ([\d.]+) MB\. Write: {re.escape(fix)}$", result.stderr, re.M)
     assert named is not None, result.stderr
     assert int(named[1]) >= 100 and float(named[2]) > 50
+
+
+EVALUATION_SCRIPT = """\
+import torch
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+criterion = torch.nn.CrossEntropyLoss()
+total = 0.0
+for _ in range(5):  # an evaluation script in training mode, without no_grad: no backward at all
+    x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
+    total += criterion(model(x), y)
+print(f"{float(total) / 5:.4f}")
+"""
+
+
+def test_a_sum_in_a_program_with_no_backward_at_all_is_found_at_exit(tmp_path: Any) -> None:
+    script = tmp_path / "evaluate.py"
+    script.write_text(EVALUATION_SCRIPT)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                           env=clean_env(), cwd=tmp_path)
+    result = run_runner([str(script)], cwd=str(tmp_path))
+    assert result.returncode == 1 and result.stdout == plain.stdout  # the same number printed; 1: a finding
+    line = EVALUATION_SCRIPT.splitlines().index("    total += criterion(model(x), y)") + 1
+    kept = 5 * (64 * 256 * 4 * 2 + 64 * 10 * 4 + 64 * 8)  # per batch: x, ReLU and log-softmax outputs, y
+    assert (f"{script}:{line}: GraphAccumulationWarning: ST004 total += criterion(model(x), y) adds a tensor that "
+            "requires grad to a Python number") in result.stderr
+    assert f"Its graph holds {kept / 1000:.1f} kB of saved tensors" in result.stderr
