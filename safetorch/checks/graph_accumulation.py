@@ -146,7 +146,8 @@ def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
     starts its graph, and decide at the coming backwards (`_decide`), or at exit."""
     key = (frame.f_code.co_filename, frame.f_lineno)
     known = _watches.get(key)
-    if isinstance(result, torch.Tensor) and (known is None or known.marker() is None):
+    settled = known is None or (marker := known.marker()) is None or marker.consumed
+    if isinstance(result, torch.Tensor) and settled:
         marker = _graphs.mark(result, key)
         if marker is not None:
             _watches[key] = _Watch(weakref.ref(result), weakref.ref(marker), key[0], key[1], frame.f_globals,
@@ -220,13 +221,7 @@ MIN_BYTES = 64 * 1024
 
 def _holder_of(marker: _graphs.Marker) -> _graphs.Holder | None:
     """The name, in the frames of the running code, that holds the graph carrying ``marker``."""
-    frame = user_frame(sys._getframe(1))
-    frames = []
-    while frame is not None and len(frames) < _FRAMES:
-        if not is_internal(frame.f_code):
-            frames.append(frame)
-        frame = frame.f_back
-    return _holding(_graphs.holders(frames), marker)
+    return _holding(_graphs.holders(_frames(user_frame(sys._getframe(1)))), marker)
 
 
 def _holding(found: list[_graphs.Holder], marker: _graphs.Marker) -> _graphs.Holder | None:
@@ -399,3 +394,4 @@ def uninstall() -> None:
     _backwarded.clear()
     _watches.clear()
     _seen.clear()
+    _oom.release()
