@@ -206,6 +206,7 @@ class Holder:
     value: Any
     frame: FrameType
     tensors: list[torch.Tensor]
+    graphs: int  # its items that carry a graph (an item may carry several tensors: `(out, loss)`)
 
     @property
     def kind(self) -> str:
@@ -256,16 +257,17 @@ def holders(frames: Iterable[FrameType]) -> list[Holder]:
             if id(value) in seen:
                 continue
             if carries(value):
-                tensors = [value]
+                tensors, graphs = [value], 1
             elif isinstance(value, dict) and "__builtins__" in value:
                 continue  # a module's namespace (runpy's run_globals): its names are looked at as the module's
             elif isinstance(value, (list, tuple, deque, dict)) and _probe(value):
-                tensors = [t for _, t in graph_items(value)]
+                pairs = list(graph_items(value))
+                tensors, graphs = [t for _, t in pairs], len({key for key, _ in pairs})
             else:
                 continue
             if tensors:
                 seen.add(id(value))
-                found.append(Holder(name, value, frame, tensors))
+                found.append(Holder(name, value, frame, tensors, graphs))
     return found
 
 

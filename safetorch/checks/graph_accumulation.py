@@ -369,7 +369,7 @@ def holder_message(holder: _graphs.Holder, statement: str, acc: _graphs.Account)
     else:
         unused = ", that no backward has consumed" if acc.bytes else ""
         what = (f"{shown} keeps the autograd graph of every tensor it stores: {holder.describe()} holds "
-                f"{len(holder.tensors)} graphs across steps{unused}.")
+                f"{holder.graphs} graphs across steps{unused}.")
     return f"{CODE} {what} {_memory(acc, not isinstance(holder.value, torch.Tensor))} Write: {fix}"
 
 
