@@ -228,7 +228,10 @@ def _named(frame: FrameType) -> Iterator[tuple[str, Any]]:
         if name.startswith("__") or isinstance(value, _SKIP):
             continue
         yield name, value
-        attributes = getattr(value, "__dict__", None) if name == "self" else None
+        try:
+            attributes = getattr(value, "__dict__", None) if name == "self" else None
+        except Exception:  # a hostile property named __dict__
+            attributes = None
         if isinstance(attributes, dict):
             for attr, sub in list(attributes.items())[:256]:
                 yield f"self.{attr}", sub
@@ -249,26 +252,35 @@ def _probe(value: list[Any] | tuple[Any, ...] | deque[Any] | dict[Any, Any]) -> 
 
 def holders(frames: Iterable[FrameType]) -> list[Holder]:
     """The names in ``frames`` that hold tensors carrying a graph: a tensor, or a container of them. A value seen
-    under two names (a frame's and its caller's) is given once, under the first."""
+    under two names (a frame's and its caller's) is given once, under the first. A value that fails to be read (a
+    container subclass whose methods raise) is passed over: the program's objects are only looked at."""
     found: list[Holder] = []
     seen: set[int] = set()
     for frame in frames:
         for name, value in _named(frame):
             if id(value) in seen:
                 continue
-            if carries(value):
-                tensors, graphs = [value], 1
-            elif isinstance(value, dict) and "__builtins__" in value:
-                continue  # a module's namespace (runpy's run_globals): its names are looked at as the module's
-            elif isinstance(value, (list, tuple, deque, dict)) and _probe(value):
-                pairs = list(graph_items(value))
-                tensors, graphs = [t for _, t in pairs], len({key for key, _ in pairs})
-            else:
+            try:
+                held = _held(value)
+            except Exception:
                 continue
-            if tensors:
+            if held is not None:
                 seen.add(id(value))
-                found.append(Holder(name, value, frame, tensors, graphs))
+                found.append(Holder(name, value, frame, *held))
     return found
+
+
+def _held(value: Any) -> tuple[list[torch.Tensor], int] | None:
+    """The tensors carrying a graph that ``value`` holds, and how many of its items carry one; None for none."""
+    if carries(value):
+        return [value], 1
+    if isinstance(value, dict) and "__builtins__" in value:
+        return None  # a module's namespace (runpy's run_globals): its names are looked at as the module's
+    if isinstance(value, (list, tuple, deque, dict)) and _probe(value):
+        pairs = list(graph_items(value))
+        if pairs:
+            return [t for _, t in pairs], len({key for key, _ in pairs})
+    return None
 
 
 def sums(t: torch.Tensor, limit: int = 1_000_000) -> int:
