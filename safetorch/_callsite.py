@@ -243,6 +243,22 @@ def _names(ins: dis.Instruction, target: str, attribute: bool) -> bool:
     return ins.opname in _STORES and _stored(ins) == target
 
 
+def _container(instructions: list[dis.Instruction], index: int, target: str, attribute: bool) -> bool:
+    """Whether the ``STORE_SUBSCR`` at ``index`` stores into ``target`` (``d[k] = v``: the item below the key). A
+    fused load (3.13's ``LOAD_FAST_LOAD_FAST (v, d)``) pushes two names: they are read in the order pushed."""
+    producer = _producer(instructions, index, 1)
+    if producer is None:
+        return False
+    if not isinstance(producer.argval, tuple):
+        return _names(producer, target, attribute)
+    pushed: list[Any] = []
+    for ins in reversed(instructions[max(index - 3, 0): index]):
+        if ins.opname not in _LOADS or ins.opname.startswith("STORE_"):
+            break
+        pushed[:0] = list(ins.argval) if isinstance(ins.argval, tuple) else [ins.argval]
+    return not attribute and len(pushed) >= 2 and pushed[-2] == target
+
+
 def fills(code: CodeType, name: str) -> int | None:
     """The first line of ``code`` that puts something into the holder ``name`` (``losses.append(x)``,
     ``d[k] = x``, ``total += x``; ``self.losses`` for an attribute), or None. Read from the bytecode, once per
@@ -255,10 +271,8 @@ def fills(code: CodeType, name: str) -> int | None:
         if nxt is not None and ins.opname in (*_LOADS, "LOAD_ATTR") and _names(ins, target, attribute) \
                 and nxt.opname in ("LOAD_METHOD", "LOAD_ATTR") and nxt.argval in _FILLERS:
             return _line_at(code, ins.offset)
-        if ins.opname == "STORE_SUBSCR":
-            container = _producer(instructions, i, 1)
-            if container is not None and _names(container, target, attribute):
-                return _line_at(code, ins.offset)
+        if ins.opname == "STORE_SUBSCR" and _container(instructions, i, target, attribute):
+            return _line_at(code, ins.offset)
         if ins.opname == "INPLACE_ADD" or (ins.opname == "BINARY_OP" and ins.argrepr == "+="):
             for store in instructions[i + 1: i + 3]:
                 if store.opname in (*_STORES, "STORE_ATTR") and _names(store, target, attribute):
