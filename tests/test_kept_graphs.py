@@ -376,10 +376,14 @@ def test_the_note_names_the_holders_their_lines_and_bytes() -> None:
     assert "with torch.no_grad()" in rest[-1]
 
 
-def test_no_note_for_another_error() -> None:
+def test_no_note_for_another_error_and_one_for_a_gpus() -> None:
     kept = [torch.randn(3, requires_grad=True) * 2]
     assert _oom.note(RuntimeError("Expected all tensors to be on the same device")) is None
     assert _oom.note(ValueError("DefaultCPUAllocator: can't allocate memory")) is None
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert _oom.is_out_of_memory(gpu)
+    note = _oom.note(gpu)
+    assert note is not None and note.startswith("safetorch: memory ran out with ")
     assert kept
 
 
