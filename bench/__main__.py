@@ -66,6 +66,10 @@ def report(results: dict[str, Any]) -> str:
                        ["training step", str(mem["training_without"]["bytes"]), str(mem["training_with"]["bytes"]),
                         "identical" if mem["training_identical"] else "DIFFERENT"]],
                       ["", "without (bytes)", "with (bytes)", "ratio"]))
+    out += ["", f"Kept by a loop of {mem['kept_batches']} batches in training mode without no_grad, when it is over "
+                "(bytes):"]
+    out.append(_table([[shape, str(r["plain"]), str(r["safetorch"]), str(r["no_grad"])]
+                       for shape, r in mem["kept"].items()], ["holder", "plain", "safetorch", "no_grad"]))
     st = results["startup"]
     out += ["", f"import safetorch after torch: {st['import_ms']['median']:.1f} ms "
                 f"(with SAFETORCH_DISABLE=1: {st['import_ms_disabled']['median']:.1f} ms)",

@@ -9,6 +9,12 @@ The validation loop is the usual one, ``out = model(x)`` per batch: without safe
 still bound to ``out`` while the next forward builds its own, so two graphs are alive at the peak. With safetorch the
 first forward at that line is watched (run as written, with its graph) and the next ones are checkpointed (their
 activations are not kept): one graph at the peak, the first batch's, freed at the next batch.
+
+The *kept* shapes are the loops ST004 reports (a validation loop in training mode without ``no_grad`` that keeps
+every batch's loss): a Python number (``total += loss``), a tensor (``total = torch.zeros(()); total += loss``), a
+list (``losses.append(loss)``), a dict (``outputs[i] = loss``). Measured: the bytes saved for backward still alive
+when the loop is over, held by its accumulator or container — plain, with safetorch (which reports, and changes
+nothing: the same bytes) and under ``no_grad`` (nothing).
 """
 
 from __future__ import annotations
@@ -84,6 +90,73 @@ def _training_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> 
     return run
 
 
+def kept_bytes(fn: Callable[[], Any]) -> int:
+    """The bytes saved for backward that are still alive when ``fn`` has returned, while its result is held."""
+    live = [0, 0]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: _Held(t, live), lambda held: held.tensor):
+        result = fn()
+    kept = live[0]
+    del result
+    return kept
+
+
+def cuda_kept(fn: Callable[[], Any]) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - base
+    del result
+    return kept
+
+
+KEPT_BATCHES = 8
+
+
+def _kept_shapes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    criterion = torch.nn.CrossEntropyLoss()
+
+    def number() -> Any:
+        total = 0.0
+        for _ in range(KEPT_BATCHES):
+            total += criterion(model(x), y)
+        return total
+
+    def tensor() -> Any:
+        total = torch.zeros((), device=x.device)
+        for _ in range(KEPT_BATCHES):
+            total += criterion(model(x), y)
+        return total
+
+    def listed() -> Any:
+        losses = []
+        for _ in range(KEPT_BATCHES):
+            losses.append(criterion(model(x), y))
+        return losses
+
+    def keyed() -> Any:
+        outputs = {}
+        for i in range(KEPT_BATCHES):
+            outputs[i] = criterion(model(x), y)
+        return outputs
+
+    return {"number": number, "tensor": tensor, "list": listed, "dict": keyed}
+
+
+def kept(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: str) -> dict[str, dict[str, int]]:
+    """shape -> {"plain", "safetorch", "no_grad"}: the bytes the loop's holder keeps."""
+    measure = cuda_kept if device == "cuda" else kept_bytes
+    shapes = _kept_shapes(model, x, y)
+    out: dict[str, dict[str, int]] = {name: {} for name in shapes}
+    for state in ("plain", "safetorch", "no_grad"):
+        (safetorch.install if state == "safetorch" else safetorch.uninstall)()
+        for name, fn in shapes.items():
+            with torch.no_grad() if state == "no_grad" else torch.enable_grad():
+                out[name][state] = measure(fn)
+    safetorch.install()
+    return out
+
+
 def run(quick: bool) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     measure = cuda_peak if device == "cuda" else saved_bytes
@@ -112,4 +185,7 @@ def run(quick: bool) -> dict[str, Any]:
     v_with, v_without = results["validation_with"]["bytes"], results["validation_without"]["bytes"]
     out["validation_reduction"] = round(v_without / v_with, 2) if v_with else "inf (nothing kept)"
     out["training_identical"] = results["training_with"] == results["training_without"]
+    model.train()  # the loops ST004 reports: an evaluation in training mode without no_grad
+    out["kept_batches"] = KEPT_BATCHES
+    out["kept"] = kept(model, x, y, device)
     return out

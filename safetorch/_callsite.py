@@ -28,9 +28,9 @@ from inspect import CO_OPTIMIZED
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "getline", "instructions",
-           "is_discarded", "frame_locals", "meet", "method_call", "normalized", "on_new_code", "producer_index",
-           "quoted_call", "source_line", "span", "span_source", "trim"]
+__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "fills", "getline",
+           "instructions", "is_discarded", "frame_locals", "meet", "method_call", "normalized", "on_new_code",
+           "producer_index", "quoted_call", "source_line", "span", "span_source", "trim"]
 
 _SNAPSHOT = sys.version_info < (3, 13)
 
@@ -257,6 +257,63 @@ def accumulates(frame: FrameType) -> bool:
     trim(_accumulates, MAX_ANSWERS)
     _accumulates[key] = (code, answer)
     return answer
+
+
+#: Methods that put an item into a container (a list's, a dict's, a deque's, a set's).
+_FILLERS = frozenset({"append", "extend", "insert", "update", "setdefault", "add", "appendleft", "extendleft"})
+
+
+def _line_at(code: CodeType, offset: int) -> int | None:
+    for start, end, number in code.co_lines():
+        if start <= offset < end:
+            return number
+    return None
+
+
+def _names(ins: dis.Instruction, target: str, attribute: bool) -> bool:
+    """Whether ``ins`` loads (or stores, for a store) the holder: a variable, or an attribute (``self.losses``)."""
+    if attribute:
+        return ins.opname in ("LOAD_ATTR", "STORE_ATTR") and ins.argval == target
+    if ins.opname in _LOADS:
+        return bool(_loaded(ins) == target)
+    return ins.opname in _STORES and _stored(ins) == target
+
+
+def _container(instructions: list[dis.Instruction], index: int, target: str, attribute: bool) -> bool:
+    """Whether the ``STORE_SUBSCR`` at ``index`` stores into ``target`` (``d[k] = v``: the item below the key). A
+    fused load (3.13's ``LOAD_FAST_LOAD_FAST (v, d)``) pushes two names: they are read in the order pushed."""
+    producer = _producer(instructions, index, 1)
+    if producer is None:
+        return False
+    if not isinstance(producer.argval, tuple):
+        return _names(producer, target, attribute)
+    pushed: list[Any] = []
+    for ins in reversed(instructions[max(index - 3, 0): index]):
+        if ins.opname not in _LOADS or ins.opname.startswith("STORE_"):
+            break
+        pushed[:0] = list(ins.argval) if isinstance(ins.argval, tuple) else [ins.argval]
+    return not attribute and len(pushed) >= 2 and pushed[-2] == target
+
+
+def fills(code: CodeType, name: str) -> int | None:
+    """The first line of ``code`` that puts something into the holder ``name`` (``losses.append(x)``,
+    ``d[k] = x``, ``total += x``; ``self.losses`` for an attribute), or None. Read from the bytecode, once per
+    finding: `safetorch._graphs` names the line where a kept graph's holder is filled."""
+    attribute = "." in name
+    target = name.rsplit(".", 1)[-1]
+    instructions = _info(code).instructions
+    for i, ins in enumerate(instructions):
+        nxt = instructions[i + 1] if i + 1 < len(instructions) else None
+        if nxt is not None and ins.opname in (*_LOADS, "LOAD_ATTR") and _names(ins, target, attribute) \
+                and nxt.opname in ("LOAD_METHOD", "LOAD_ATTR") and nxt.argval in _FILLERS:
+            return _line_at(code, ins.offset)
+        if ins.opname == "STORE_SUBSCR" and _container(instructions, i, target, attribute):
+            return _line_at(code, ins.offset)
+        if ins.opname == "INPLACE_ADD" or (ins.opname == "BINARY_OP" and ins.argrepr == "+="):
+            for store in instructions[i + 1: i + 3]:
+                if store.opname in (*_STORES, "STORE_ATTR") and _names(store, target, attribute):
+                    return _line_at(code, ins.offset)
+    return None
 
 
 def source_line(frame: FrameType) -> str:

@@ -618,7 +618,7 @@ def _fix_st003(tree: _Tree, f: Finding) -> Edit | str:
 def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
     import libcst as cst
 
-    match = re.search(r"Write: .*?(\.item\(\)|\.detach\(\))$", f.message.strip())
+    match = re.search(r"Write: .*(\.item\(\)|\.detach\(\))\)?$", f.message.strip())  # `losses.append(x.item())`
     if match is None:
         return "the finding does not say what to write"
     method = match.group(1)[1:-2]
@@ -636,10 +636,33 @@ def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
             or isinstance(small, cst.Assign) and isinstance(small.value, cst.BinaryOperation) \
             and isinstance(small.value.operator, cst.Add)
 
-    small = _pick(tree, f, [s for s in stmt.body if accumulation(s)], "an accumulation",
-                  lambda n: n if isinstance(n, cst.AugAssign) else n.value)
+    def item(small: Any) -> bool:  # history[step] = loss
+        return isinstance(small, cst.Assign) and len(small.targets) == 1 \
+            and isinstance(small.targets[0].target, cst.Subscript) and not accumulation(small)
+
+    def filler(small: Any) -> bool:  # losses.append(loss)
+        call = small.value if isinstance(small, cst.Expr) else None
+        return isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and bool(call.args) \
+            and call.func.attr.value in _FILLERS
+
+    small = _pick(tree, f, [s for s in stmt.body if accumulation(s) or item(s) or filler(s)],
+                  "an accumulation or a container filled",
+                  lambda n: n.value if isinstance(n, cst.Expr) or (isinstance(n, cst.Assign) and accumulation(n))
+                  else n)
     if isinstance(small, str):
         return small
+    if item(small):
+        def make_item(node: Any) -> Any:
+            return node.with_changes(value=called(node.value))
+
+        return tree.edit(f, small, None, make_item)
+    if filler(small):
+        def make_call(node: Any) -> Any:
+            args = list(node.value.args)
+            args[-1] = args[-1].with_changes(value=called(args[-1].value))
+            return node.with_changes(value=node.value.with_changes(args=args))
+
+        return tree.edit(f, small, None, make_call)
     target = _one_line(tree, small.target if isinstance(small, cst.AugAssign) else small.value.left)
     named = re.match(r"ST004 (.+?) (?:\+=|= .+? \+) .+? adds a tensor", f.message)
     if named is not None and named.group(1) != target:
@@ -654,6 +677,10 @@ def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
         return node.with_changes(value=node.value.with_changes(right=called(node.value.right)))
 
     return tree.edit(f, small, None, make_bin)
+
+
+#: Methods that store their last argument as one item (ST004's containers).
+_FILLERS = frozenset({"append", "appendleft", "insert", "add"})
 
 
 def _fix_st005(tree: _Tree, f: Finding) -> list[Edit] | str:

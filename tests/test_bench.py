@@ -46,6 +46,11 @@ def test_quick_bench_runs_and_writes_every_measurement(tmp_path: os.PathLike[str
     else:
         assert 0 < memory["validation_with"]["bytes"] < memory["validation_without"]["bytes"]
     assert memory["training_identical"] is True
+    # ST004's loops: safetorch reports them and changes nothing (the same bytes); no_grad keeps nothing
+    assert sorted(memory["kept"]) == ["dict", "list", "number", "tensor"]
+    for shape in memory["kept"].values():
+        assert shape["plain"] == shape["safetorch"] > 0 and (memory["device"] != "cpu" or shape["no_grad"] == 0)
+    assert "| holder | plain | safetorch | no_grad |" in proc.stdout
     assert data["startup"]["disabled"] == {"patched_attributes": 0, "namespaces_identical": True, "checks": []}
     assert data["startup"]["import_ms"]["median"] > 0
 

@@ -9,8 +9,11 @@ import shutil
 import subprocess
 import sys
 import types
+from typing import Any
 
 import pytest
+
+from safetorch._callsite import fills
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "callsite_probe.py")
 
@@ -120,3 +123,23 @@ def test_method_call_names_a_receiver_a_fix_can_assign_to() -> None:
     assert [receiver for receiver, _ in _Probe.seen] == [
         "p", 'd["a"]', "xs[0]", "xs[-1]", "xs[i]", 'holder.items["k"]', "holder.p", None, None, None]
     assert [call for _, call in _Probe.seen][-3:] == ["make().float()", "pair[0].float()", 'd["".join("a")].float()']
+
+
+def test_fills_names_the_first_line_that_puts_into_a_holder() -> None:
+    def train(self: Any, loader: Any) -> None:
+        losses: list[Any] = []
+        history: dict[Any, Any] = {}
+        total = 0
+        for i, x in enumerate(loader):
+            losses.append(x)
+            history[i] = x
+            total += x
+            self.outputs.append(x)
+            self.running += x
+            self.by_step[i] = x
+
+    first = train.__code__.co_firstlineno
+    found = {name: fills(train.__code__, name) for name in
+             ("losses", "history", "total", "self.outputs", "self.running", "self.by_step", "x", "i")}
+    assert found == {"losses": first + 5, "history": first + 6, "total": first + 7, "self.outputs": first + 8,
+                     "self.running": first + 9, "self.by_step": first + 10, "x": None, "i": None}

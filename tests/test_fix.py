@@ -201,6 +201,25 @@ def test_st003_puts_the_evaluation_loop_under_no_grad_and_a_lone_evaluation_in_a
     assert "ST003" not in _rerun(tmp_path, new)
 
 
+def test_st004_a_list_of_losses_keeps_their_numbers(tmp_path: Path) -> None:
+    program = """\
+        import torch
+        w = torch.ones(3, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        losses = []
+        for _ in range(3):
+            loss = (w * 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss)  # the history
+        print(len(losses))
+        """
+    source, new, _ = _fixed(tmp_path, program, "ST004")
+    assert new == source.replace("losses.append(loss)  # the history", "losses.append(loss.item())  # the history")
+    assert "ST004" not in _rerun(tmp_path, new)
+
+
 SKIPPED = {
     "ST001": ("""\
         import torch
