@@ -672,7 +672,7 @@ def test_an_exception_in_a_user_hook_inside_a_no_grad_forward_leaves_grad_mode_o
     with findings(), pytest.raises(ValueError):
         for _ in range(2):
             model(torch.ones(1, 2))
-    assert calls == [True, True] and torch.is_grad_enabled()
+    assert calls == [True, False] and torch.is_grad_enabled()  # the second ran as under no_grad
     other = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
     assert keeps_activations(lambda: other(torch.ones(1, 2)))[1]  # no checkpoint hook left standing
 
