@@ -95,7 +95,7 @@ def test_an_evaluation_left_in_training_mode_is_found_at_its_forward_with_the_sa
     assert [(w.category, w.filename, w.lineno) for w in got] == [(EvaluationInTrainModeWarning, __file__, line)]
     assert int(model[1].num_batches_tracked) == tracked + 6  # what the rule reports: the statistics took them in
     assert str(got[0].message) == (
-        "ST019 model (Sequential) evaluates in training mode with autograd on: 4 forwards at this line with no "
+        "ST019 model (Sequential) evaluates in training mode with autograd on: 2 forwards at this line with no "
         "backward in between built graphs that died unused, while its BatchNorm layer folded these batches into the "
         "running statistics that evaluation uses later and dropout was on. The model is changed by its own "
         "evaluation, and its results are noisy. Write: model.eval() and `with torch.no_grad():` around the "
