@@ -418,10 +418,10 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
     __tracebackhide__ = True  # noqa: F841
     site = None
     try:
-        if _due and not _config.current.strict:
-            _flush()
         if not _passthrough():
             site = _site_for(module, guard, sys._getframe(2))
+        if _due and not _config.current.strict:
+            _flush(site)  # this line's own site is decided below, at this forward
     except Exception as exc:
         internal_error(CODE, exc)
     if site is None or site.state is _Site.TRAIN or site.state is _Site.FROZEN:
@@ -694,12 +694,13 @@ def _undecided(site: _Site) -> bool:
     return site.state is _Site.WATCHING and site.watched and site.needs is None and site.acts and not site.backward
 
 
-def _flush() -> None:
-    """Decide and report the sites whose watched graph died unused since (see `_due`)."""
+def _flush(current: _Site | None = None) -> None:
+    """Decide and report the sites whose watched graph died unused since (see `_due`), but ``current``, the site of the
+    forward running now, which `_decide` takes at its own line."""
     __tracebackhide__ = True  # noqa: F841
     while _due:
         site = _due.pop()()
-        if site is None or not _undecided(site):
+        if site is None or site is current or not _undecided(site):
             continue
         module = site.module()
         if module is None or module.training:
