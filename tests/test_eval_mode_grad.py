@@ -65,8 +65,8 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def keeps_activations(call: Callable[[], Any]) -> tuple[Any, bool]:
     """The call's result, and whether its forward kept activations for a backward — what a validation loop without
-    no_grad keeps alive and what runs a GPU out of memory. A checkpointed forward keeps none (its own saved-tensor
-    hooks stand innermost, so these see nothing)."""
+    no_grad keeps alive and what runs a GPU out of memory. A forward ST003's act runs keeps none (it runs under
+    no_grad, so these hooks see nothing)."""
     packed: list[int] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ def test_validation_loop_is_watched_once_then_keeps_no_activations() -> None:
             score, k = keeps_activations(lambda: model(torch.randn(2, 3, 8, 8))); line = lineno()  # noqa: E702
             kept.append(k)
             grads.append(score.requires_grad)
-    assert kept == [True, False, False, False]  # the first forward runs as written; the next ones are checkpointed
+    assert kept == [True, False, False, False]  # the first forward runs as written; the next ones as the act
     assert grads == [True] * 4  # as written: each output still has a graph (a backward would recompute)
     assert torch.is_grad_enabled()
     assert [(w.category, w.filename, w.lineno) for w in got] == [(EvalModeGradWarning, __file__, line)]
@@ -652,11 +652,11 @@ def test_an_interrupt_inside_a_no_grad_forward_leaves_grad_mode_on(interrupt: ty
     with findings(), pytest.raises(interrupt):
         for _ in range(3):
             kept.append(keeps_activations(lambda: model(torch.ones(1, 2)))[1])
-    assert kept == [True, False]  # the third was checkpointed, and interrupted
+    assert kept == [True, False]  # the third ran as the act, and was interrupted
     assert torch.is_grad_enabled()
     other = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))  # an unrelated model in the next cell trains
     out, kept_by_other = keeps_activations(lambda: other(torch.ones(1, 2)))
-    assert kept_by_other  # no saved-tensor hook of the interrupted checkpoint is left standing
+    assert kept_by_other  # grad mode and saved-tensor hooks as they were
     out.sum().backward()
     assert other[0].weight.grad is not None
 
@@ -676,7 +676,7 @@ def test_an_exception_in_a_user_hook_inside_a_no_grad_forward_leaves_grad_mode_o
             model(torch.ones(1, 2))
     assert calls == [True, False] and torch.is_grad_enabled()  # the second ran as under no_grad
     other = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-    assert keeps_activations(lambda: other(torch.ones(1, 2)))[1]  # no checkpoint hook left standing
+    assert keeps_activations(lambda: other(torch.ones(1, 2)))[1]  # nothing of the act left standing
 
 
 def test_an_unrelated_does_not_require_grad_error_keeps_torchs_type_and_message() -> None:
@@ -708,7 +708,7 @@ def test_an_unrelated_does_not_require_grad_error_keeps_torchs_type_and_message(
 
 def test_a_site_taken_for_an_evaluation_then_trained_through_gets_its_gradients() -> None:
     """A helper shared by validation and training, with the model still in eval mode (a sanity validation pass
-    first, as Lightning's num_sanity_val_steps runs): the backward recomputes the checkpointed forward, and from then
+    first, as Lightning's num_sanity_val_steps runs): the backward recomputes the act's forward, and from then
     on the site runs as written."""
 
     def program() -> Any:
@@ -1102,7 +1102,7 @@ def test_a_training_loop_pays_no_st003_listener_on_its_backwards() -> None:
     assert not listening()
     with findings():
         for _ in range(2):
-            evaluated(torch.ones(1, 2))  # watched, then checkpointed
+            evaluated(torch.ones(1, 2))  # watched, then the act
     assert listening()
     seen = []
     for _ in range(3):

@@ -1,20 +1,21 @@
 """ST003's act: an eval-mode forward that keeps what ``torch.no_grad()`` keeps, and never silently loses a gradient.
 
 The forward runs under no_grad (no activation is saved, no autograd node is made inside it). Its output's floating
-tensors, at any depth of a tuple, list, dict, dataclass or ``ModelOutput``, are then passed through one autograd node
-(`_Graft`) whose inputs are the module's parameters: the program gets the same values in the same structure, each
-tensor with a ``grad_fn``, as it would without safetorch. The node saves no tensor. A backward that reaches it after all
-recomputes the forward with grad from its inputs and hands the parameters the gradients the program would have had
-(eval mode is deterministic). Its inputs are held weakly: if the program dropped them, or changed them or the
-parameters in place since, the backward raises `SafetorchError` with what safetorch did and what to write, at the
-program's ``backward()`` line. While a site is not decided yet (the watched graph is alive: a rollout buffer, outputs
-kept for a later loss) its last `HELD` forwards hold their inputs strongly, so that such a backward recomputes them;
-once decided, its newest forward does (a backward right after a forward: a gradient diagnostic every few batches).
+tensors, at any depth of a tuple, list, dict, dataclass or ``ModelOutput``, are then passed through one autograd
+node (`SafetorchEvaluation`) whose inputs are the module's parameters: the program gets the same values in the same
+structure, each tensor with a ``grad_fn``, as it would without safetorch. The node saves no tensor. A backward that
+reaches it after all recomputes the forward with grad from its inputs and hands the parameters the gradients the
+program would have had (eval mode is deterministic). Its inputs are held weakly: if the program dropped them, or
+changed them or the parameters in place since, the backward raises `SafetorchError` with what safetorch did and what
+to write, at the program's ``backward()`` line. While a site is not decided yet (the watched graph is alive: a
+rollout buffer, outputs kept for a later loss) its last `HELD` forwards hold their inputs strongly, so that such a
+backward recomputes them; once decided, its newest forward does (a backward right after a forward: a gradient
+diagnostic every few batches).
 
-Why not ``torch.utils.checkpoint``: it keeps each forward's inputs and autograd nodes alive as long as its output (the
-nodes, small allocations made while the activations are freed, fragment the heap: a collected evaluation held 3.6x
-no_grad's memory), and its first call imports ``torch._dynamo`` and sympy, whose warnings filter makes a program's own
-warnings print twice. This module imports nothing beyond torch and changes no warnings state.
+Why not ``torch.utils.checkpoint``: it keeps each forward's inputs and an autograd node per operation alive as long
+as its output (a collected evaluation kept about twice no_grad's heap bytes: ``bench/README.md``), and its first call
+imports ``torch._dynamo`` and sympy, whose warnings filter makes a program's own warnings print twice. This module
+imports nothing beyond torch and changes no warnings state.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ class Opaque(Exception):
 
 
 class Frame:
-    """What a backward needs to recompute one forward: held by its `_Graft` node, so it lives as long as the output's
-    graph. Never the output itself (a cycle through the node)."""
+    """What a backward needs to recompute one forward: held by its `SafetorchEvaluation` node, so it lives as long as
+    the output's graph. Never the output itself (a cycle through the node)."""
 
     __slots__ = ("module", "args", "kwargs", "held", "versions", "params", "reached", "message", "__weakref__")
 
@@ -92,8 +93,9 @@ def _ids(params: list[torch.Tensor]) -> int:
     return hash(tuple(map(id, params)))
 
 
-class _Graft(torch.autograd.Function):
-    """Gives a no_grad forward's output tensors a ``grad_fn`` that reaches the module's parameters; saves nothing."""
+class SafetorchEvaluation(torch.autograd.Function):
+    """Gives a no_grad forward's output tensors a ``grad_fn`` that reaches the module's parameters; saves nothing.
+    Named for the program that prints an output: ``grad_fn=<SafetorchEvaluationBackward>`` says who ran it."""
 
     @staticmethod
     def forward(ctx: Any, frame: Frame, count: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
@@ -146,7 +148,7 @@ def run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if len(held) == held.maxlen:
         held[0].held = None
     held.append(frame)
-    grafted = _Graft.apply(frame, len(found), *found, *params)
+    grafted = SafetorchEvaluation.apply(frame, len(found), *found, *params)
     replace = {id(t): g for t, g in zip(found, grafted, strict=True)}
     return _walk(output, inputs, None, replace, [_BUDGET])
 

@@ -600,8 +600,8 @@ class _Reached:
 
 
 def _backward_reached(site: _Site) -> None:
-    """A backward went through a forward of this site (its watched graph, or a recomputed checkpoint): the site trains,
-    and its later forwards run as written."""
+    """A backward went through a forward of this site (its watched graph, or a forward the act ran, recomputed): the
+    site trains, and its later forwards run as written."""
     site.needs_grad("a backward")
     if site.state is _Site.EVAL or site.state is _Site.WATCHING and site.watched:
         site.state = _Site.TRAIN
@@ -661,7 +661,7 @@ def _outermost_caller(frame: FrameType | None) -> FrameType | None:
 def _decide(site: _Site, guard: _Guard) -> None:
     """A later forward at a watched site: it needs gradients (something used the watched graph), or it is an
     evaluation (the watched graph died unused: ST003 from now on), or it is too early to tell (the watched graph is
-    still alive: a rollout buffer, outputs kept for a later loss) and this forward is checkpointed."""
+    still alive: a rollout buffer, outputs kept for a later loss) and this forward runs as the act (`_act`)."""
     if site.needs is not None or not site.acts:
         # With ST008 alone, or on a line that says `# safetorch: ignore[ST003]`, observe and never change anything.
         site.state = _Site.TRAIN
