@@ -1312,3 +1312,17 @@ def test_a_backward_that_cannot_recompute_a_decided_forward_is_explained_at_the_
     assert "`with torch.no_grad():`" in message
     frames = [(f.filename, f.lineno) for f in traceback.extract_tb(info.value.__traceback__)]
     assert (__file__, line) in frames
+
+
+def test_a_filter_set_to_error_raises_a_finding_decided_at_train_and_the_model_still_trains() -> None:
+    model = convnet().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EvalModeGradWarning)
+        for _ in range(2):
+            outputs = model(torch.randn(2, 3, 8, 8)); line = lineno()  # noqa: E702
+        with pytest.raises(EvalModeGradWarning) as info:
+            model.train()
+    assert model.training and not guarded(model)
+    assert str(info.value).startswith("ST003 model (Sequential) is in eval mode with autograd on")
+    assert [(s.filename, s.lineno) for s in safetorch._report.findings() if s.code == "ST003"] == [(__file__, line)]
+    del outputs

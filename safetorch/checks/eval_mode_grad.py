@@ -420,10 +420,10 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
     try:
         if not _passthrough():
             site = _site_for(module, guard, sys._getframe(2))
-        if _due and not _config.current.strict:
-            _flush(site)  # this line's own site is decided below, at this forward
     except Exception as exc:
         internal_error(CODE, exc)
+    if _due and not _config.current.strict:
+        _flush(site)  # this line's own site is decided below, at this forward
     if site is None or site.state is _Site.TRAIN or site.state is _Site.FROZEN:
         return _module_call_impl(module, *args, **kwargs)
     if site.state is _Site.WATCHING:
@@ -699,13 +699,18 @@ def _flush(current: _Site | None = None) -> None:
     forward running now, which `_decide` takes at its own line."""
     __tracebackhide__ = True  # noqa: F841
     while _due:
-        site = _due.pop()()
-        if site is None or site is current or not _undecided(site):
+        try:
+            site = _due.pop()()
+            if site is None or site is current or not _undecided(site):
+                continue
+            module = site.module()
+            if module is None or module.training:
+                continue
+            _evaluation(site, _guard_of(module))
+        except Exception as exc:  # another thread emptied it first, or a bug of ours
+            internal_error(CODE, exc)
             continue
-        module = site.module()
-        if module is None or module.training:
-            continue
-        _evaluation(site, _guard_of(module))
+        # A warnings filter set to "error" raises the finding from here, as the program asked.
         report_at(CODE, site.filename, site.lineno, site.globals, lambda s=site: _message(s))
 
 
@@ -882,17 +887,20 @@ def _train(original: Any) -> Any:
 
     def train(self: Any, mode: bool = True) -> Any:
         if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
+            raised = None
             if _due and not _config.current.strict:
                 try:
                     _flush()  # the evaluation ended: decided while its model is still in eval mode
-                except Exception as exc:
-                    internal_error(CODE, exc)
+                except Warning as warning:  # a filter set to "error": raised once the module is in training mode
+                    raised = warning
             result = original(self, mode)
             try:
                 if "_call_impl" in self.__dict__ and self.training:
                     _unguard(self)
             except Exception as exc:
                 internal_error(CODE, exc)
+            if raised is not None:
+                raise raised
             return result
         ident = _get_ident()
         if ident in _training_threads:
