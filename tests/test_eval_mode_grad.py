@@ -11,7 +11,9 @@ import dataclasses
 import io
 import pickle
 import threading
+import traceback
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -63,8 +65,8 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def keeps_activations(call: Callable[[], Any]) -> tuple[Any, bool]:
     """The call's result, and whether its forward kept activations for a backward — what a validation loop without
-    no_grad keeps alive and what runs a GPU out of memory. A checkpointed forward keeps none (its own saved-tensor
-    hooks stand innermost, so these see nothing)."""
+    no_grad keeps alive and what runs a GPU out of memory. A forward ST003's act runs keeps none (it runs under
+    no_grad, so these hooks see nothing)."""
     packed: list[int] = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,7 @@ def test_validation_loop_is_watched_once_then_keeps_no_activations() -> None:
             score, k = keeps_activations(lambda: model(torch.randn(2, 3, 8, 8))); line = lineno()  # noqa: E702
             kept.append(k)
             grads.append(score.requires_grad)
-    assert kept == [True, False, False, False]  # the first forward runs as written; the next ones are checkpointed
+    assert kept == [True, False, False, False]  # the first forward runs as written; the next ones as the act
     assert grads == [True] * 4  # as written: each output still has a graph (a backward would recompute)
     assert torch.is_grad_enabled()
     assert [(w.category, w.filename, w.lineno) for w in got] == [(EvalModeGradWarning, __file__, line)]
@@ -650,11 +652,11 @@ def test_an_interrupt_inside_a_no_grad_forward_leaves_grad_mode_on(interrupt: ty
     with findings(), pytest.raises(interrupt):
         for _ in range(3):
             kept.append(keeps_activations(lambda: model(torch.ones(1, 2)))[1])
-    assert kept == [True, False]  # the third was checkpointed, and interrupted
+    assert kept == [True, False]  # the third ran as the act, and was interrupted
     assert torch.is_grad_enabled()
     other = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 1))  # an unrelated model in the next cell trains
     out, kept_by_other = keeps_activations(lambda: other(torch.ones(1, 2)))
-    assert kept_by_other  # no saved-tensor hook of the interrupted checkpoint is left standing
+    assert kept_by_other  # grad mode and saved-tensor hooks as they were
     out.sum().backward()
     assert other[0].weight.grad is not None
 
@@ -672,9 +674,9 @@ def test_an_exception_in_a_user_hook_inside_a_no_grad_forward_leaves_grad_mode_o
     with findings(), pytest.raises(ValueError):
         for _ in range(2):
             model(torch.ones(1, 2))
-    assert calls == [True, True] and torch.is_grad_enabled()
+    assert calls == [True, False] and torch.is_grad_enabled()  # the second ran as under no_grad
     other = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
-    assert keeps_activations(lambda: other(torch.ones(1, 2)))[1]  # no checkpoint hook left standing
+    assert keeps_activations(lambda: other(torch.ones(1, 2)))[1]  # nothing of the act left standing
 
 
 def test_an_unrelated_does_not_require_grad_error_keeps_torchs_type_and_message() -> None:
@@ -706,7 +708,7 @@ def test_an_unrelated_does_not_require_grad_error_keeps_torchs_type_and_message(
 
 def test_a_site_taken_for_an_evaluation_then_trained_through_gets_its_gradients() -> None:
     """A helper shared by validation and training, with the model still in eval mode (a sanity validation pass
-    first, as Lightning's num_sanity_val_steps runs): the backward recomputes the checkpointed forward, and from then
+    first, as Lightning's num_sanity_val_steps runs): the backward recomputes the act's forward, and from then
     on the site runs as written."""
 
     def program() -> Any:
@@ -1102,7 +1104,7 @@ def test_a_training_loop_pays_no_st003_listener_on_its_backwards() -> None:
     assert not listening()
     with findings():
         for _ in range(2):
-            evaluated(torch.ones(1, 2))  # watched, then checkpointed
+            evaluated(torch.ones(1, 2))  # watched, then the act
     assert listening()
     seen = []
     for _ in range(3):
@@ -1210,3 +1212,163 @@ def test_skorch_219_a_forward_in_a_shared_helper_is_reported_at_the_evaluations_
         _SkorchNet().fit()
     found = [(w.category, w.filename, w.lineno) for w in got if w.category is EvalModeGradWarning]
     assert found == [(EvalModeGradWarning, __file__, _SkorchNet.validation_line)]
+
+
+# --- what the act keeps, and when the finding is made ------------------------------------------------------------
+
+
+def test_a_two_batch_evaluation_is_reported_at_its_forward_when_training_resumes() -> None:
+    """Two batches: the first forward is watched, its graph dies when the second one's output replaces it; the
+    evidence is in, and ``model.train()`` (the evaluation's end) reports it at the forward's line."""
+    model = convnet().eval()
+    with findings() as got:
+        for _ in range(2):
+            outputs = model(torch.randn(2, 3, 8, 8)); line = lineno()  # noqa: E702
+            outputs.argmax(1)
+        assert got == []  # nothing came yet that could decide it: the next forward at any line, train(), or exit
+        model.train()
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(EvalModeGradWarning, __file__, line)]
+    assert "saw its graph die unused" in str(got[0].message)
+
+
+def test_strict_mode_leaves_a_decision_made_elsewhere_to_the_forwards_own_line() -> None:
+    safetorch.install(strict=True)
+    model = convnet().eval()
+    for _ in range(2):
+        outputs = model(torch.randn(2, 3, 8, 8))
+    model.train()  # not the line that made the graphs: nothing raised here
+    model.eval()
+    with pytest.raises(SafetorchError) as info:
+        for _ in range(3):  # the third forward finds the first one's graph dead: decided while this line runs
+            outputs = model(torch.randn(2, 3, 8, 8)); line = lineno()  # noqa: E702
+    assert info.value.code == "ST003" and (info.value.filename, info.value.lineno) == (__file__, line)
+    del outputs
+
+
+def test_a_collecting_evaluation_keeps_no_activation_and_lets_go_of_its_inputs() -> None:
+    """``outs.append(model(x))``: the watched first forward keeps its graph (the program holds it); every later one
+    keeps what no_grad keeps, and holds no more than `HELD` inputs while nothing is decided."""
+    model = convnet().eval()
+    inputs, kept, outs = [], [], []
+    with findings():
+        for _ in range(10):
+            x = torch.randn(2, 3, 8, 8)
+            inputs.append(weakref.ref(x))
+            out, k = keeps_activations(lambda x=x: model(x))
+            kept.append(k)
+            outs.append(out)
+            del x
+    assert kept == [True] + [False] * 9
+    assert all(o.grad_fn is not None for o in outs)
+    alive = sum(r() is not None for r in inputs)
+    assert alive == eval_mode_grad._eval_act.HELD  # the newest four (the watched graph holds its input's storage)
+
+
+@dataclasses.dataclass
+class _Output(dict):  # type: ignore[type-arg]
+    """Shaped as transformers' ModelOutput: a dict and a dataclass, fields also reachable as keys."""
+
+    logits: torch.Tensor | None = None
+    hidden: tuple[torch.Tensor, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        object.__setattr__(self, key, value)
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = self.a(x).tanh()
+        logits = self.b(h)
+        return {"out": _Output(logits=logits.view(-1), hidden=(h, h[:, :2])), "ids": logits.argmax(1), "x": x}
+
+
+def test_nested_outputs_keep_their_structure_and_views_and_a_backward_after_one_gets_every_gradient() -> None:
+    def program() -> Any:
+        model = _Nested().eval()
+        torch.manual_seed(1)
+        results = []
+        for i in range(4):
+            x = torch.randn(2, 3)
+            out = model(x)
+            results.append((type(out["out"]).__name__, out["out"].logits, out["out"]["hidden"][1], out["ids"],
+                            out["x"] is x, out["ids"].requires_grad))
+            if i == 3:  # a diagnostic: one backward right after a forward the act ran
+                (out["out"].logits.sum() + out["out"].hidden[1].pow(2).sum()).backward()
+        return results, [p.grad for p in model.parameters()]
+
+    with findings() as got:
+        on, off = both(program)
+    assert same(on, off) and all(g is not None and g.abs().sum() > 0 for g in on[1])
+    assert on[0][-1][0] == "_Output" and on[0][-1][4] is True and on[0][-1][5] is False
+    assert got == []  # the watched graph is kept (results), and the backward tells that this line trains
+
+
+def test_an_output_backwarded_two_batches_later_gets_the_same_gradients() -> None:
+    """Outputs kept in a queue and trained on two batches later (the watched graph is alive when the next forwards
+    run, so nothing is decided and they hold their inputs): silent, with the program's numbers."""
+
+    def program() -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).eval()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        queue, grads = [], []
+        for _ in range(6):
+            queue.append(model(torch.randn(5, 3)))
+            if len(queue) == 3:  # no step in between: an optimizer step would fail this backward without safetorch
+                opt.zero_grad()
+                queue.pop(0).pow(2).mean().backward()
+                grads.append(model[0].weight.grad.clone())
+        opt.step()
+        return grads, weights(model)
+
+    with findings() as got:
+        on, off = both(program)
+    assert same(on, off) and len(on[0]) == 4
+    assert [w.category for w in got if w.category is EvalModeGradWarning] == []
+
+
+def test_a_backward_that_cannot_recompute_a_decided_forward_is_explained_at_the_backward_line() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).eval()
+
+    def predict(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    forward = predict.__code__.co_firstlineno + 1
+    with findings():
+        for _ in range(3):
+            predict(torch.randn(2, 3))  # an evaluation: decided at the third forward
+        outs = [predict(torch.randn(2, 3)) for _ in range(3)]  # decided: only the newest holds its input
+        with pytest.raises(SafetorchError) as info:
+            line = lineno() + 1
+            outs[0].sum().backward()
+    message = str(info.value)
+    assert message.startswith(f"ST003 this backward reaches the output of model(Sequential) at {__file__}:{forward}")
+    assert "its input tensors are no longer alive" in message and "Write: model.train()" in message
+    assert "`with torch.no_grad():`" in message
+    frames = [(f.filename, f.lineno) for f in traceback.extract_tb(info.value.__traceback__)]
+    assert (__file__, line) in frames
+
+
+def test_a_filter_set_to_error_raises_a_finding_decided_at_train_and_the_model_still_trains() -> None:
+    model = convnet().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EvalModeGradWarning)
+        for _ in range(2):
+            outputs = model(torch.randn(2, 3, 8, 8)); line = lineno()  # noqa: E702
+        with pytest.raises(EvalModeGradWarning) as info:
+            model.train()
+    assert model.training and not guarded(model)
+    assert str(info.value).startswith("ST003 model (Sequential) is in eval mode with autograd on")
+    assert [(s.filename, s.lineno) for s in safetorch._report.findings() if s.code == "ST003"] == [(__file__, line)]
+    del outputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import textwrap
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -95,7 +96,7 @@ def test_an_evaluation_left_in_training_mode_is_found_at_its_forward_with_the_sa
     assert [(w.category, w.filename, w.lineno) for w in got] == [(EvaluationInTrainModeWarning, __file__, line)]
     assert int(model[1].num_batches_tracked) == tracked + 6  # what the rule reports: the statistics took them in
     assert str(got[0].message) == (
-        "ST019 model (Sequential) evaluates in training mode with autograd on: 4 forwards at this line with no "
+        "ST019 model (Sequential) evaluates in training mode with autograd on: 2 forwards at this line with no "
         "backward in between built graphs that died unused, while its BatchNorm layer folded these batches into the "
         "running statistics that evaluation uses later and dropout was on. The model is changed by its own "
         "evaluation, and its results are noisy. Write: model.eval() and `with torch.no_grad():` around the "
@@ -633,3 +634,44 @@ def test_batchnorm_recalibration_with_momentum_none_is_silent() -> None:
         for batch in x.split(2):
             model(batch)
     assert [w.category for w in got] == [EvaluationInTrainModeWarning]
+
+
+def test_a_two_batch_evaluation_in_training_mode_is_found_at_its_forward_when_training_resumes() -> None:
+    """Two test batches (yunjey/pytorch-tutorial's cnn test loop, without eval() and no_grad): the second forward's
+    graph is the only one watched; it dies unused, and the next training step reports it at the forward's line."""
+    model, opt, x, y = _stepped()
+    with findings() as got:
+        correct = 0
+        for i in range(2):
+            outputs = model(x + i); line = lineno()  # noqa: E702
+            correct += int((outputs.argmax(1) == y).sum())
+        del outputs
+        _train(model, opt, x, y, steps=1)
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(EvaluationInTrainModeWarning, __file__, line)]
+    assert "2 forwards at this line with no backward in between built graphs that died unused" in str(got[0].message)
+
+
+def test_a_two_batch_evaluation_at_the_end_of_a_program_is_found_at_exit() -> None:
+    out = run_python(textwrap.dedent("""
+        import safetorch
+        import torch
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        correct = 0
+        for i in range(2):
+            outputs = model(x + i)
+            correct += int((outputs.argmax(1) == y).sum())
+        print("accuracy", correct >= 0)
+    """), env={"SAFETORCH_REPORT": "0"})
+    assert out.returncode == 0, out.stderr
+    assert "<string>:17: EvaluationInTrainModeWarning: ST019 model (Sequential) evaluates in training mode" \
+        in out.stderr, out.stderr

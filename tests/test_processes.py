@@ -264,7 +264,7 @@ FSDP2 = """\
 
 def test_an_fsdp2_evaluation_is_reported_and_training_through_it_is_bit_identical(tmp_path: Any) -> None:
     """FSDP2 registers tensor hooks in its forward (torch's own: no sign that the program needs the graph); the
-    evaluation is reported, and the training through the same line recomputes the checkpointed forwards."""
+    evaluation is reported, and the training through the same line recomputes the forwards ST003's act ran."""
     pytest.importorskip("torch.distributed.fsdp")
     from torch.distributed import fsdp
 

@@ -15,10 +15,16 @@ a site, and this is known before any site is looked up):
    global tensor)? Does the forward itself call ``torch.autograd.grad``/``backward`` or register a tensor hook (torch's
    own hooks, FSDP2's, do not count)? Does a backward later go through any node of its graph? An output with no graph
    at all (a forward under its own no_grad, or returning numbers) leaves the site alone for good.
-2. Every later forward there runs as a non-reentrant activation checkpoint (`_checkpointed`): the program's numbers
-   and graph, without its activations; a backward that reaches one recomputes it, and the site runs as written from
-   then on. The site is an evaluation (ST003, at each forward) once the watched graph died unused — told by a weak
-   reference to the hook object its nodes hold; while that graph lives (a rollout buffer) nothing is decided.
+2. Every later forward there runs under no_grad with its output grafted onto one node that saves nothing
+   (`_eval_act`): the program's numbers and structure, each tensor with a ``grad_fn``, keeping what no_grad keeps; a
+   backward that reaches one recomputes it from its inputs (or, if they are gone, raises an explained
+   `SafetorchError`), and the site runs as written from then on. While the watched graph lives (a rollout buffer,
+   outputs kept for a later loss) nothing is decided and the last `_eval_act.HELD` forwards hold their inputs; once
+   decided, the newest forward holds its inputs (a backward right after it, a diagnostic every few batches). The
+   site is an evaluation (ST003) when the evidence arrives: the watched graph died unused (a weak reference's
+   callback on the hook object its nodes hold; reported at the next forward at that line, which raises in strict
+   mode, or at the next eval-mode forward, ``train()`` or exit), or it is still alive, never used, at exit (a
+   collecting ``preds = [model(x) for x in loader]``). The finding names the forward's line.
 3. ST008: when a backward reached a forward of such a module, and an optimizer step updates its parameters in eval
    mode, it is reported at the forward's line if the eval mode is a mistake: a library's ``eval()`` (a loader), or the
    program's own ``eval()`` followed by an evaluation. A loader's model first called inside a new training parent
@@ -50,6 +56,7 @@ Design rules:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import os
@@ -65,14 +72,15 @@ import torch
 from torch.autograd import grad_mode
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .. import _backward, _callsite, _visible
+from .. import _backward, _callsite, _config, _visible
 from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._modes import eval_effects, joined
 from .._patch import MethodPatch, Registry, registry
-from .._report import internal_error, is_internal, report_at, rule_off, suppressed, user_frame
+from .._report import before_summary, internal_error, is_internal, report_at, rule_off, suppressed, user_frame
 from .._rule import Rule
+from . import _eval_act
 
 CODE = "ST003"
 
@@ -99,7 +107,6 @@ _peek_interpreter = getattr(_functorch, "peek_interpreter_stack", None) or (lamb
 _fx_trace = getattr(torch.fx, "_symbolic_trace", None)  # its flag is read: is_fx_tracing() warns on each call
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambda: 0)
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", None) or (lambda: False)
-_checkpoint = torch.utils.checkpoint.checkpoint
 _getrefcount = sys.getrefcount
 #: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``; dynamo holds it True
 #: while it compiles (torch 2.3+; older releases call the function).
@@ -136,8 +143,8 @@ _eval_codes: set[str] = set()  # which of ST003 / ST008 are installed (guards fo
 class _Site:
     """One call site of one module: its decision and what the watched first forward showed."""
 
-    __slots__ = ("acts", "at", "backward", "due", "filename", "globals", "graph", "kind", "lineno", "module", "name",
-                 "needs", "origin", "state", "st008", "watched", "__weakref__")
+    __slots__ = ("acts", "at", "backward", "due", "filename", "globals", "graph", "held", "kind", "lineno", "module",
+                 "name", "needs", "opaque", "origin", "state", "st008", "watched", "__weakref__")
 
     WATCHING, TRAIN, EVAL, FROZEN = "watching", "train", "eval", "frozen"
 
@@ -159,6 +166,9 @@ class _Site:
         self.st008 = 0  # optimizer steps seen while waiting for ST008
         self.origin: Origin | None = None  # who put the module in eval mode, kept for ST008's message
         self.due = False  # training the module in eval mode is known to be ST008's finding
+        self.opaque = False  # its output holds tensors the act cannot graft: as written
+        #: While nothing is decided: the newest forwards that hold their inputs, for a backward that may still come.
+        self.held: collections.deque[_eval_act.Frame] = collections.deque(maxlen=_eval_act.HELD)
 
     def needs_grad(self, reason: str) -> None:
         if self.needs is None:
@@ -201,6 +211,7 @@ class _Sites:
     def clear(self) -> None:
         with self.lock:
             self.sites.clear()
+            _due.clear()
             self.pending.clear()
             if self.step_hook is not None:
                 self.step_hook.remove()
@@ -403,8 +414,8 @@ def _in_forward(caller: FrameType) -> bool:
 
 
 def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """An eval-mode forward with grad on and not asked for: watch it, run it without keeping its activations, or
-    leave it alone."""
+    """An eval-mode forward with grad on and not asked for: watch it, run it keeping what no_grad keeps, or leave it
+    alone."""
     __tracebackhide__ = True  # noqa: F841
     site = None
     try:
@@ -412,6 +423,8 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
             site = _site_for(module, guard, sys._getframe(2))
     except Exception as exc:
         internal_error(CODE, exc)
+    if _due and not _config.current.strict:
+        _flush(site)  # this line's own site is decided below, at this forward
     if site is None or site.state is _Site.TRAIN or site.state is _Site.FROZEN:
         return _module_call_impl(module, *args, **kwargs)
     if site.state is _Site.WATCHING:
@@ -425,27 +438,47 @@ def _eval_forward(module: torch.nn.Module, guard: _Guard, args: tuple[Any, ...],
     if site.state is _Site.EVAL:
         # Every forward counts in the summary, and a warning first hit under an ignore filter is shown later.
         report_at(CODE, site.filename, site.lineno, site.globals, lambda: _message(site), site.at)  # strict: raises
-    return _checkpointed(module, site, args, kwargs)
+    return _act(module, site, args, kwargs)
 
 
-def _checkpointed(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The forward as a non-reentrant activation checkpoint: its activations are not kept (the inputs are), and a
-    backward that reaches it after all recomputes them and gets the gradients the program would have without
-    safetorch (eval mode is deterministic; the RNG state is restored for the recomputation). The recomputation tells
-    that the site trains: it runs as written from then on."""
+def _act(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The forward keeping what no_grad keeps (`_eval_act`). An input that requires grad (an adversarial example)
+    runs as written; so does a site whose output holds tensors in an object the act cannot change."""
     __tracebackhide__ = True  # noqa: F841
-    calls = [0]
-
-    def forward() -> Any:
-        calls[0] += 1
-        if calls[0] > 1:
-            try:
-                _backward_reached(site)
-            except Exception as exc:
-                internal_error(CODE, exc)
+    try:
+        direct = site.opaque or _eval_act.requires_grad(args, kwargs)
+    except Exception as exc:
+        internal_error(CODE, exc)
+        direct = True
+    if direct:
+        return _module_call_impl(module, *args, **kwargs)
+    held = site.held
+    try:
+        return _eval_act.run(module, args, kwargs, functools.partial(_reached_again, weakref.ref(site)),
+                             functools.partial(_cannot, site.name, site.kind, site.filename, site.lineno), held)
+    except _eval_act.Opaque:
+        site.opaque = True  # the forward ran under no_grad: run it again as written, and from now on
         return _module_call_impl(module, *args, **kwargs)
 
-    return _checkpoint(forward, use_reentrant=False)
+
+def _reached_again(ref: weakref.ref[_Site]) -> None:
+    """A backward reached a forward the act ran: the site trains, and runs as written from then on."""
+    site = ref()
+    if site is not None:
+        try:
+            _backward_reached(site)
+        except Exception as exc:
+            internal_error(CODE, exc)
+
+
+def _cannot(name: str, kind: str, filename: str, lineno: int, why: str) -> str:
+    return (f"{CODE} this backward reaches the output of {name}({kind}) at {filename}:{lineno}, which safetorch ran "
+            f"without keeping its graph: {name} is in eval mode with autograd on, and the graph of the first forward "
+            f"at that line died unused, so safetorch took the line for an evaluation and kept only what "
+            f"torch.no_grad() keeps. It cannot recompute that forward now: {why}. Write: {name}.train() before "
+            f"training through that line (or `with torch.enable_grad():` around the forward, or "
+            f"`# safetorch: ignore[ST003]` on it); if it is an evaluation, `with torch.no_grad():` around it and no "
+            f"backward through its outputs")
 
 
 def _site_for(module: torch.nn.Module, guard: _Guard, frame: FrameType) -> _Site | None:
@@ -545,7 +578,7 @@ def _inspect(module: torch.nn.Module, site: _Site, output: Any) -> None:
         # nothing for a backward, and there is nothing to do at this site.
         site.state = _Site.FROZEN
         return
-    site.graph = weakref.ref(reached)
+    site.graph = weakref.ref(reached, functools.partial(_graph_died, weakref.ref(site), _due))
     seen = set(stack)
     budget = _GRAPH_BUDGET
     while stack:
@@ -586,8 +619,8 @@ class _Reached:
 
 
 def _backward_reached(site: _Site) -> None:
-    """A backward went through a forward of this site (its watched graph, or a recomputed checkpoint): the site trains,
-    and its later forwards run as written."""
+    """A backward went through a forward of this site (its watched graph, or a forward the act ran, recomputed): the
+    site trains, and its later forwards run as written."""
     site.needs_grad("a backward")
     if site.state is _Site.EVAL or site.state is _Site.WATCHING and site.watched:
         site.state = _Site.TRAIN
@@ -647,23 +680,77 @@ def _outermost_caller(frame: FrameType | None) -> FrameType | None:
 def _decide(site: _Site, guard: _Guard) -> None:
     """A later forward at a watched site: it needs gradients (something used the watched graph), or it is an
     evaluation (the watched graph died unused: ST003 from now on), or it is too early to tell (the watched graph is
-    still alive: a rollout buffer, outputs kept for a later loss) and this forward is checkpointed."""
+    still alive: a rollout buffer, outputs kept for a later loss) and this forward runs as the act (`_act`)."""
     if site.needs is not None or not site.acts:
         # With ST008 alone, or on a line that says `# safetorch: ignore[ST003]`, observe and never change anything.
         site.state = _Site.TRAIN
         return
     if site.graph is not None and site.graph() is not None:
         return
+    _evaluation(site, guard)
+
+
+def _evaluation(site: _Site, guard: _Guard | None) -> None:
+    """The evidence arrived: the site is an evaluation, and its forwards let go of the inputs they held."""
     site.state = _Site.EVAL
-    guard.evaluated = True
+    if guard is not None:
+        guard.evaluated = True
+    _eval_act.release(site.held)
+    site.held = collections.deque(maxlen=1)  # the newest forward's inputs: a backward right after it recomputes it
 
 
-def _message(site: _Site) -> str:
+#: Sites whose watched graph died unused, told by the weak reference's callback (which only appends: it runs wherever
+#: the last node was freed, inside torch or the reporter). Decided and reported at the next eval-mode forward,
+#: ``train()`` or exit; in strict mode at the next forward at that line (which raises there) or exit.
+_due: list[weakref.ref[_Site]] = []
+
+
+def _graph_died(site: weakref.ref[_Site], due: list[weakref.ref[_Site]], _: Any) -> None:
+    due.append(site)
+
+
+def _undecided(site: _Site) -> bool:
+    return site.state is _Site.WATCHING and site.watched and site.needs is None and site.acts and not site.backward
+
+
+def _flush(current: _Site | None = None) -> None:
+    """Decide and report the sites whose watched graph died unused since (see `_due`), but ``current``, the site of the
+    forward running now, which `_decide` takes at its own line."""
+    __tracebackhide__ = True  # noqa: F841
+    while _due:
+        try:
+            site = _due.pop()()
+            if site is None or site is current or not _undecided(site):
+                continue
+            module = site.module()
+            if module is None or module.training:
+                continue
+            _evaluation(site, _guard_of(module))
+        except Exception as exc:  # another thread emptied it first, or a bug of ours
+            internal_error(CODE, exc)
+            continue
+        # A warnings filter set to "error" raises the finding from here, as the program asked.
+        report_at(CODE, site.filename, site.lineno, site.globals, lambda s=site: _message(s), site.at)
+
+
+def _at_exit() -> None:
+    """Before the exit summary: the graphs that died since, and the watched graphs still alive that no backward used
+    (a collecting ``preds = [model(x) for x in loader]``): the program ended, nothing will."""
+    _flush()
+    for site in list(_sites.sites.values()):
+        module = site.module()
+        if _undecided(site) and site.graph is not None and module is not None and not module.training:
+            _evaluation(site, _guard_of(module))
+            report_at(CODE, site.filename, site.lineno, site.globals,
+                      lambda s=site: _message(s, "saw its graph kept unused to the end of the program"), site.at)
+
+
+def _message(site: _Site, evidence: str = "saw its graph die unused") -> str:
     return (f"{CODE} {site.name} ({site.kind}) is in eval mode with autograd on: eval() does not disable gradients, "
             f"so each forward here would keep every activation for a backward that never comes. safetorch watched "
-            f"the first forward at this line, saw its graph die unused, and runs the next ones without keeping their "
-            f"activations (a backward that reaches one recomputes them). Write: `with torch.no_grad():` around the "
-            f"evaluation (or {site.name}.train() if you train through this forward)")
+            f"the first forward at this line, {evidence}, and runs the next ones keeping what torch.no_grad() keeps "
+            f"(a backward that reaches one recomputes it while its inputs live). Write: `with torch.no_grad():` "
+            f"around the evaluation (or {site.name}.train() if you train through this forward)")
 
 
 # --- ST008: an optimizer trains a model that is in eval mode ---------------------------------------------------
@@ -819,12 +906,20 @@ def _train(original: Any) -> Any:
 
     def train(self: Any, mode: bool = True) -> Any:
         if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
+            raised = None
+            if _due and not _config.current.strict:
+                try:
+                    _flush()  # the evaluation ended: decided while its model is still in eval mode
+                except Warning as warning:  # a filter set to "error": raised once the module is in training mode
+                    raised = warning
             result = original(self, mode)
             try:
                 if "_call_impl" in self.__dict__ and self.training:
                     _unguard(self)
             except Exception as exc:
                 internal_error(CODE, exc)
+            if raised is not None:
+                raise raised
             return result
         ident = _get_ident()
         if ident in _training_threads:
@@ -1038,7 +1133,9 @@ def reset() -> None:
 
 def install(registry: Registry) -> None:
     enable(CODE, registry)
+    before_summary(CODE, _at_exit)
 
 
 def uninstall() -> None:
+    before_summary(CODE, None)
     disable(CODE)

@@ -53,7 +53,7 @@ from .._rule import Rule
 from . import eval_mode_grad
 
 CODE = "ST019"
-_UNUSED = 3  # forwards at one line whose graphs died unused, no backward in between, before it is reported
+_UNUSED = 1  # forwards at one line whose graphs died unused, no backward in between, before it is reported
 _MARKS = 8  # forwards per site whose graph is followed at once (the newest)
 _SITES = 4096
 _OUTPUT_BUDGET = 64  # objects looked at in a forward's output for its tensors
@@ -305,9 +305,16 @@ def reset() -> None:
 
 
 def _at_exit() -> None:
-    """Before the exit summary: what graphs that died late made due."""
+    """Before the exit summary: what graphs that died late made due, and the graphs still alive that no backward used
+    (outputs kept to the end: ``preds = [model(x) for x in loader]``): the program ended, nothing will."""
     if _due:
         _flush()
+    for site in list(_sites.values()):
+        if site.state is _Site.LOOKED and site.unused < _UNUSED:
+            alive = [m for m in site.marks if m.epoch == site.epoch and not m.used and m.ref is not None
+                     and m.ref() is not None]
+            if alive and site.unused + len(alive) >= _UNUSED:
+                _found(site)
 
 
 def install(registry: Registry) -> None:
