@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 import safetorch
-from safetorch import EvalModeGradWarning, EvalModeTrainingWarning, SafetorchError
+from safetorch import EvalModeGradWarning, EvalModeTrainingWarning, GraphAccumulationWarning, SafetorchError
 from safetorch.checks import eval_mode_grad
 
 from .conftest import findings, lineno, run_python
@@ -1059,7 +1059,9 @@ def test_ignoring_st003_keeps_st008() -> None:
             opt.zero_grad()
             outs[-1].sum().backward()
             opt.step()
-    assert [(w.category, w.lineno) for w in got] == [(EvalModeTrainingWarning, line)]
+    # the outputs kept across steps are ST004's (their graphs' nodes stay alive); ST003 is off, ST008 stays
+    assert [(w.category, w.lineno) for w in got if w.category is not GraphAccumulationWarning] == \
+        [(EvalModeTrainingWarning, line)]
     safetorch.install(ignore=["ST003", "ST008"])
     assert not guarded(fakehub.from_pretrained())
 
@@ -1338,8 +1340,14 @@ def test_an_output_backwarded_two_batches_later_gets_the_same_gradients() -> Non
     assert [w.category for w in got if w.category is EvalModeGradWarning] == []
 
 
+def _evaluated(model: nn.Module) -> nn.Module:
+    return model.eval()
+
+
 def test_a_backward_that_cannot_recompute_a_decided_forward_is_explained_at_the_backward_line() -> None:
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).eval()
+    # eval() called elsewhere: `predict`'s line is the site (a helper called by the function that called eval() would
+    # hand the site to its callers' lines, skorch#219's shape)
+    model = _evaluated(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
 
     def predict(x: torch.Tensor) -> torch.Tensor:
         return model(x)
