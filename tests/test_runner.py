@@ -156,10 +156,12 @@ def test_spawned_workers_behave_as_without_the_runner(tmp_path: str) -> None:
 # --- the program runs as `python script.py` / `python -m module` runs it ------------------------------------------
 
 PROBE = textwrap.dedent("""\
-    import builtins, json, os, pickle, sys, warnings
+    import builtins, inspect, json, os, pickle, sys, warnings
 
     class Thing:
         pass
+
+    answer: int = 42  # a module annotation: kept by the runner on every Python (3.14 computes them, PEP 649)
 
     def spec(s):
         return None if s is None else [s.name, s.origin, s.cached, s.parent, type(s.loader).__name__]
@@ -172,7 +174,8 @@ PROBE = textwrap.dedent("""\
         "__file__": __file__, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "__spec__": spec(__spec__),
         "__name__": __name__, "__package__": __package__, "__cached__": __cached__, "__doc__": __doc__,
         "__loader__": [type(__loader__).__name__, getattr(__loader__, "name", None), getattr(__loader__, "path", None)],
-        "__builtins__ is builtins": __builtins__ is builtins, "__annotations__": __annotations__,
+        "__builtins__ is builtins": __builtins__ is builtins,
+        "annotations": {k: getattr(v, "__name__", repr(v)) for k, v in inspect.get_annotations(main).items()},
         "sys.modules['__main__'] runs this code": vars(main) is globals(),
         "dunders": sorted(k for k in globals() if k.startswith("__")),
         "co_filename": sys._getframe().f_code.co_filename,
@@ -194,6 +197,7 @@ def _tree(tmp_path: str) -> str:
     return root
 
 
+@pytest.mark.python
 @pytest.mark.parametrize("cwd, start, env", [
     ("scripts", ["probe.py"], {}),  # a relative path in the current directory: __file__ was relative, dirname ""
     ("work", ["../scripts/probe.py"], {}),  # a relative path in another directory
@@ -218,6 +222,7 @@ def test_the_program_sees_what_a_plain_python_run_shows_it(tmp_path: str, cwd: s
     seen, expected = json.loads(runner.stdout), json.loads(plain.stdout)
     assert seen == expected
     assert seen["sys.modules['__main__'] runs this code"] and seen["pickled"] == "__main__"
+    assert seen["annotations"] == {"answer": "int"}
 
 
 def test_the_console_script_starts_the_program_as_python_does(tmp_path: str) -> None:
