@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .. import _backward
-from .._callsite import accumulates, call_source
+from .._callsite import accumulates, accumulation_names, call_source
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
@@ -62,12 +62,19 @@ def _message(frame: FrameType, value: torch.Tensor) -> str:
     elif isinstance(node, ast.Expr) and isinstance(node.value, ast.BinOp):  # acc = acc + x: the BinOp's text
         target, addend = ast.unparse(node.value.left), node.value.right
         op = f"= {target} +"
-    if target is None or addend is None:
-        target, shown = "total", "loss"
-    else:
+    if target is not None and addend is not None:
         shown = ast.unparse(addend)
         if not isinstance(addend, (ast.Name, ast.Attribute, ast.Call, ast.Subscript)):
             shown = f"({shown})"
+    elif text is None:  # no columns (3.10): the names the bytecode proves, or none
+        target, shown, in_place = accumulation_names(frame)
+        op = "+=" if in_place else f"= {target} +"
+    else:
+        shown = None
+    if target is None or shown is None:
+        return (f"{CODE} a tensor that requires grad is added to a Python number{f' ({target})' if target else ''}: "
+                f"the sum becomes a tensor that keeps the autograd graph of every step it adds, and memory grows "
+                f"every step. Write: add the tensor's {fix} instead of the tensor")
     return (f"{CODE} {target} {op} {shown} adds a tensor that requires grad to a Python number: {target} becomes "
             f"a tensor that keeps the autograd graph of every step it sums, and memory grows every step. "
             f"Write: {target} {op} {shown}{fix}")
