@@ -49,9 +49,6 @@ _countdown: Iterator[int] = _NEVER
 count = 0
 _on_due: Callable[[], None] | None = None
 _is_compiling = is_compiling
-#: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``: two Python calls on
-#: every backward, where reading the flag is one attribute lookup (torch 2.3+; older releases call the function).
-_compiler = torch.compiler if hasattr(getattr(torch, "compiler", None), "_is_compiling_flag") else None
 
 
 def origin(caller: FrameType) -> tuple[FrameType | None, str]:
@@ -90,7 +87,7 @@ def _dispatch_known(original: Any) -> Any:
         count += 1
         if _next(_countdown, None) is None:
             _call_due()
-        if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):
+        if _before_now and not _is_compiling():  # the function: dynamo guards a flag read (see eval_mode_grad)
             for before in _before_now:
                 before(tensors)  # each listener guards its own logic; strict mode raises here
         if not _on_error:
@@ -116,7 +113,7 @@ def _dispatch_any(original: Any) -> Any:
         count += 1
         if _next(_countdown, None) is None:
             _call_due()
-        if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):
+        if _before_now and not _is_compiling():  # the function: dynamo guards a flag read (see eval_mode_grad)
             tensors = args[0] if args else kwargs.get("tensors")
             for before in _before_now:
                 before(tensors)

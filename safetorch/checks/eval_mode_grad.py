@@ -101,9 +101,6 @@ _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambd
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", None) or (lambda: False)
 _checkpoint = torch.utils.checkpoint.checkpoint
 _getrefcount = sys.getrefcount
-#: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``; dynamo holds it True
-#: while it compiles (torch 2.3+; older releases call the function).
-_compiler = torch.compiler if hasattr(getattr(torch, "compiler", None), "_is_compiling_flag") else None
 
 _GRAPH_BUDGET = 200_000  # autograd nodes walked per watched forward; beyond it, assume the graph is needed
 _INPUT_BUDGET = 1_000  # objects looked at per forward when searching the inputs for a tensor requiring grad
@@ -228,7 +225,9 @@ class _Guard:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
         module = self.module()
-        if _compiler._is_compiling_flag if _compiler is not None else _is_compiling():
+        # The function, not torch.compiler's flag: dynamo answers the call as a constant, while it would guard a
+        # flag read, True while it traces and False when the graph runs (a recompile at every call).
+        if _is_compiling():
             return _module_call_impl(module, *args, **kwargs)  # dynamo traces this: sys._getframe would break it
         # Held by more than the module's __dict__ and this call: perhaps by a copy of that __dict__ (a clone). Only
         # then is the caller's frame read (the refcount costs a C call; the frame's locals, a dict).

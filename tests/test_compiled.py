@@ -1,0 +1,77 @@
+"""Compiled code sees no safetorch: a compiled training step (torch.compile's tutorial's ``train_opt``, whose
+``loss.backward()`` is a graph break) and a compiled eval-mode model make the same graphs, graph breaks, resumes
+and recompiles with safetorch on as off, counted by dynamo itself."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import safetorch
+
+
+def _train_step() -> tuple[int, int]:
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters())
+    backend = CompileCounter()
+
+    @torch.compile(backend=backend)
+    def train(mod: nn.Module, data: tuple[torch.Tensor, torch.Tensor]) -> None:
+        opt.zero_grad(True)
+        pred = mod(data[0])
+        loss = torch.nn.CrossEntropyLoss()(pred, data[1])
+        loss.backward()
+        opt.step()
+
+    for _ in range(10):
+        train(model, (torch.randn(8, 16), torch.randint(0, 4, (8,))))
+    return backend.frame_count, backend.op_count
+
+
+def _eval_model() -> tuple[int, int]:
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.BatchNorm1d(32), nn.Linear(32, 4)).eval()
+    backend = CompileCounter()
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(5):
+        compiled(torch.randn(8, 16))
+    return backend.frame_count, backend.op_count
+
+
+def _counted(program: Callable[[], tuple[int, int]]) -> dict[str, Any]:
+    """Graphs and ops (the backend's count) and dynamo's own counters: graph breaks by kind, resumes, recompiles,
+    graphs and calls captured."""
+    import warnings
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own warnings about profiler contexts in a compiled step
+        graphs, ops = program()
+    seen: dict[str, Any] = {"graphs": graphs, "ops": ops}
+    for kind in ("graph_break", "resumes", "recompiles", "stats", "unimplemented"):
+        seen[kind] = {key.split("\n")[0]: n for key, n in counters[kind].items()}
+    return seen
+
+
+@pytest.mark.parametrize("program", [_train_step, _eval_model], ids=["train-step", "eval-model"])
+def test_compiled_code_counts_the_same_with_safetorch_on_and_off(program: Callable[[], tuple[int, int]]) -> None:
+    on = _counted(program)
+    safetorch.uninstall()
+    try:
+        off = _counted(program)
+    finally:
+        safetorch.install()
+    assert on == off and on["graphs"] > 0
