@@ -75,3 +75,11 @@ def test_compiled_code_counts_the_same_with_safetorch_on_and_off(program: Callab
     finally:
         safetorch.install()
     assert on == off and on["graphs"] > 0
+
+
+def test_importing_safetorch_imports_nothing_of_dynamo() -> None:
+    from .conftest import run_python
+
+    proc = run_python("import sys, torch, safetorch; print(sorted(m for m in sys.modules if 'dynamo' in m))")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
