@@ -29,6 +29,7 @@ from torch.nn import _reduction
 
 from ._compat import is_compiling
 from ._patch import registry, with_globals_of
+from ._tracebacks import hide_own_frames
 
 GROUP = "core:get_enum"
 
@@ -74,22 +75,26 @@ def _dispatch(original: Any) -> Any:
     # function; anything else ('elementwise_mean', a typo) still goes to torch, for its warning or its error.
     known = {name: original(name) for name in ("none", "mean", "sum")}
     legacies, looks, looking, getframe = _legacy, _looks, _looking, sys._getframe
-    following, grad_enabled, compiling = _next, _is_grad_enabled, _is_compiling
+    following, grad_enabled, compiling, hide = _next, _is_grad_enabled, _is_compiling, hide_own_frames
 
     def get_enum(reduction: str) -> int:
         __tracebackhide__ = True  # noqa: F841
-        if reduction == "elementwise_mean" and legacies:
-            for legacy in list(legacies.values()):
-                legacy()
-            reduction = "mean"
-        if following(looking[0]) and looks and grad_enabled() and not compiling():
-            caller = getframe(1)
-            look = looks.get(caller.f_code)
-            if look is not None:
-                look(caller)
-        if reduction in known:
-            return known[reduction]
-        return original(reduction)  # type: ignore[no-any-return]
+        try:
+            if reduction == "elementwise_mean" and legacies:
+                for legacy in list(legacies.values()):
+                    legacy()
+                reduction = "mean"
+            if following(looking[0]) and looks and grad_enabled() and not compiling():
+                caller = getframe(1)
+                look = looks.get(caller.f_code)
+                if look is not None:
+                    look(caller)
+            if reduction in known:
+                return known[reduction]
+            return original(reduction)  # type: ignore[no-any-return]
+        except BaseException as exc:  # no frame of ours in the traceback of what passes through
+            hide(exc)
+            raise
 
     return with_globals_of(original, get_enum)
 

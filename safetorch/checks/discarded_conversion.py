@@ -22,6 +22,7 @@ from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
 from .._report import internal_error, is_internal, report
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 
 CODE = "ST001"
 
@@ -106,16 +107,20 @@ class _Conversion(MethodPatch):
     def calling(wrapped: Any, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            result = wrapped(*args, **kwargs) if kwargs else wrapped(*args)
             try:
-                frame = _getframe(1)
-                # The hot path: one cached lookup of a call site whose result is used.
-                code = frame.f_code
-                if _kept.get(frame.f_lasti) is not code:
-                    _after_call(frame, name, len(args) - 1, result, args[0] if args else None)
-            except Exception as exc:  # strict-mode findings pass through internal_error
-                internal_error(CODE, exc)
-            return result
+                result = wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+                try:
+                    frame = _getframe(1)
+                    # The hot path: one cached lookup of a call site whose result is used.
+                    code = frame.f_code
+                    if _kept.get(frame.f_lasti) is not code:
+                        _after_call(frame, name, len(args) - 1, result, args[0] if args else None)
+                except Exception as exc:  # strict-mode findings pass through internal_error
+                    internal_error(CODE, exc)
+                return result
+            except BaseException as exc:  # no frame of ours in the traceback of what passes through
+                hide_own_frames(exc)
+                raise
 
         return call
 

@@ -73,6 +73,7 @@ from .._modes import eval_effects, joined
 from .._patch import MethodPatch, Registry, registry
 from .._report import internal_error, is_internal, report_at, rule_off, suppressed, user_frame
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 
 CODE = "ST003"
 
@@ -229,40 +230,44 @@ class _Guard:
         # flag read, True while it traces and False when the graph runs (a recompile at every call).
         if _is_compiling():
             return _module_call_impl(module, *args, **kwargs)  # dynamo traces this: sys._getframe would break it
-        # Held by more than the module's __dict__ and this call: perhaps by a copy of that __dict__ (a clone). Only
-        # then is the caller's frame read (the refcount costs a C call; the frame's locals, a dict).
-        if _getrefcount(self) > _GUARD_REFS:
-            caller = sys._getframe(1)
-            owner = caller.f_locals.get("self") if caller.f_code is _wrapped_call_impl_code else module
-            if owner is not module and isinstance(owner, torch.nn.Module):
-                # Found in a copy of another module's __dict__ (a clone made by copying it): the clone runs its own
-                # forward, unguarded; the guard belongs to the module it was made for.
-                if owner.__dict__.get("_call_impl") is self:
-                    del owner.__dict__["_call_impl"]
-                return _module_call_impl(owner, *args, **kwargs)
-        if module is None:
-            raise RuntimeError("safetorch: a module guard outlived its module")
-        if module.training or not _eval_codes:
-            followed = _followed.get(id(module))
-            if followed is not None and followed[0]() is module:
-                if module.training:
-                    # ST019's: a trained module's forward in training mode. One that follows a backward (every
-                    # training step's) only notes the count; one with no backward since the module's last forward
-                    # goes to ST019.
-                    count = _backward.count
-                    if followed[2] != count:
-                        followed[2] = count
-                        return _module_call_impl(module, *args, **kwargs)
-                    return followed[1](module, args, kwargs)
-                return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
-            _unguard(module, self)
-            return _module_call_impl(module, *args, **kwargs)
-        if not _is_grad_enabled():  # an evaluation (every validation forward: one C call)
-            self.evaluated = True
-            return _module_call_impl(module, *args, **kwargs)
-        if _thread.explicit:
-            return _module_call_impl(module, *args, **kwargs)
-        return _eval_forward(module, self, args, kwargs)
+        try:
+            # Held by more than the module's __dict__ and this call: perhaps by a copy of that __dict__ (a clone). Only
+            # then is the caller's frame read (the refcount costs a C call; the frame's locals, a dict).
+            if _getrefcount(self) > _GUARD_REFS:
+                caller = sys._getframe(1)
+                owner = caller.f_locals.get("self") if caller.f_code is _wrapped_call_impl_code else module
+                if owner is not module and isinstance(owner, torch.nn.Module):
+                    # Found in a copy of another module's __dict__ (a clone made by copying it): the clone runs its own
+                    # forward, unguarded; the guard belongs to the module it was made for.
+                    if owner.__dict__.get("_call_impl") is self:
+                        del owner.__dict__["_call_impl"]
+                    return _module_call_impl(owner, *args, **kwargs)
+            if module is None:
+                raise RuntimeError("safetorch: a module guard outlived its module")
+            if module.training or not _eval_codes:
+                followed = _followed.get(id(module))
+                if followed is not None and followed[0]() is module:
+                    if module.training:
+                        # ST019's: a trained module's forward in training mode. One that follows a backward (every
+                        # training step's) only notes the count; one with no backward since the module's last forward
+                        # goes to ST019.
+                        count = _backward.count
+                        if followed[2] != count:
+                            followed[2] = count
+                            return _module_call_impl(module, *args, **kwargs)
+                        return followed[1](module, args, kwargs)
+                    return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
+                _unguard(module, self)
+                return _module_call_impl(module, *args, **kwargs)
+            if not _is_grad_enabled():  # an evaluation (every validation forward: one C call)
+                self.evaluated = True
+                return _module_call_impl(module, *args, **kwargs)
+            if _thread.explicit:
+                return _module_call_impl(module, *args, **kwargs)
+            return _eval_forward(module, self, args, kwargs)
+        except BaseException as exc:  # the program's error in its forward: its traceback shows no frame of ours
+            hide_own_frames(exc)
+            raise
 
     def __reduce__(self) -> Any:
         """Never pickled with a module (see `_getstate`), unless a subclass's own ``__getstate__`` copies the
@@ -798,31 +803,36 @@ def _train(original: Any) -> Any:
     guard of its own (a frozen BatchNorm's, from an eval() of its own)."""
 
     def train(self: Any, mode: bool = True) -> Any:
-        if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
-            result = original(self, mode)
+        __tracebackhide__ = True  # noqa: F841
+        try:
+            if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
+                result = original(self, mode)
+                try:
+                    if "_call_impl" in self.__dict__ and self.training:
+                        _unguard(self)
+                except Exception as exc:
+                    internal_error(CODE, exc)
+                return result
+            ident = _get_ident()
+            if ident in _training_threads:
+                return original(self, mode)
+            _training_threads[ident] = True
             try:
-                if "_call_impl" in self.__dict__ and self.training:
-                    _unguard(self)
+                result = original(self, mode)
+            finally:
+                del _training_threads[ident]
+            try:
+                if self.training:
+                    if "_call_impl" in self.__dict__:
+                        _unguard(self)
+                elif _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
+                    _guard(self, _origin(sys._getframe(1)))
             except Exception as exc:
                 internal_error(CODE, exc)
             return result
-        ident = _get_ident()
-        if ident in _training_threads:
-            return original(self, mode)
-        _training_threads[ident] = True
-        try:
-            result = original(self, mode)
-        finally:
-            del _training_threads[ident]
-        try:
-            if self.training:
-                if "_call_impl" in self.__dict__:
-                    _unguard(self)
-            elif _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
-                _guard(self, _origin(sys._getframe(1)))
-        except Exception as exc:
-            internal_error(CODE, exc)
-        return result
+        except BaseException as exc:  # no frame of ours in the traceback of what passes through
+            hide_own_frames(exc)
+            raise
 
     return train
 

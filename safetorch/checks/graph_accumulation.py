@@ -31,6 +31,7 @@ from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
 from .._report import internal_error, is_internal, report, report_at
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 
 CODE = "ST004"
 
@@ -113,20 +114,24 @@ class _RAdd(MethodPatch):
     def calling(wrapped: Any, name: str) -> Any:
         def radd(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            result = wrapped(*args, **kwargs)
             try:
-                if len(args) == 2:
-                    instance, other = args
-                    if instance.requires_grad and isinstance(other, _NUMBER) and not isinstance(other, bool):
-                        frame = _getframe(1)
-                        if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
-                            if _was_backwarded(instance):
-                                report(CODE, frame, lambda: _message(frame, instance))
-                            else:
-                                _watch(frame, instance, result)
-            except Exception as exc:  # strict-mode findings pass through internal_error
-                internal_error(CODE, exc)
-            return result
+                result = wrapped(*args, **kwargs)
+                try:
+                    if len(args) == 2:
+                        instance, other = args
+                        if instance.requires_grad and isinstance(other, _NUMBER) and not isinstance(other, bool):
+                            frame = _getframe(1)
+                            if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
+                                if _was_backwarded(instance):
+                                    report(CODE, frame, lambda: _message(frame, instance))
+                                else:
+                                    _watch(frame, instance, result)
+                except Exception as exc:  # strict-mode findings pass through internal_error
+                    internal_error(CODE, exc)
+                return result
+            except BaseException as exc:  # no frame of ours in the traceback of what passes through
+                hide_own_frames(exc)
+                raise
 
         return radd
 
