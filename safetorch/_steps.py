@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from . import _backward
 from ._callsite import method_call
 from ._compat import is_compiling
+from ._hooks import untallied
 from ._patch import registry
 from ._report import internal_error, report, user_frame
 
@@ -91,9 +92,9 @@ def _arm() -> None:
     if not _listeners:
         return
     if _handle is None:
-        _handle = register_optimizer_step_pre_hook(_before_step)
+        _handle = untallied(register_optimizer_step_pre_hook, _before_step)
     if _after and _post_handle is None:
-        _post_handle = register_optimizer_step_post_hook(_after_step)
+        _post_handle = untallied(register_optimizer_step_post_hook, _after_step)
     _backward.call_after(EVERY, _tick)
 
 

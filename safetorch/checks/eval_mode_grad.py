@@ -69,6 +69,7 @@ from .. import _backward, _visible
 from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
+from .._hooks import untallied
 from .._modes import eval_effects, joined
 from .._patch import MethodPatch, Registry, registry
 from .._report import internal_error, is_internal, report_at, rule_off, suppressed, user_frame
@@ -545,7 +546,7 @@ def _inspect(module: torch.nn.Module, site: _Site, output: Any) -> None:
                 site.needs_grad("a tensor that is not its parameter")
                 return
             continue
-        node.register_prehook(reached)
+        untallied(node.register_prehook, reached)
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
@@ -661,7 +662,7 @@ def _arm_st008(site: _Site, origin: Origin | None) -> None:
         site.st008, site.origin = 0, origin
         _sites.pending.append(site)
         if _sites.step_hook is None:
-            _sites.step_hook = register_optimizer_step_pre_hook(_step_pre_hook)
+            _sites.step_hook = untallied(register_optimizer_step_pre_hook, _step_pre_hook)
 
 
 _UNHOOK = "ST008:unhook"
