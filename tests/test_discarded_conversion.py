@@ -108,13 +108,36 @@ def test_the_same_methods_that_made_a_copy_say_it_returns_a_copy() -> None:
         "ST001 y.contiguous() returns a copy and its result is discarded; y is unchanged. Write: y = y.contiguous()"]
 
 
+def _dtype_crash(x: torch.Tensor) -> RuntimeError:
+    """The error of a double-precision layer given ``x`` (a float tensor), raised where the layer's frame holds it."""
+    try:
+        torch.nn.Linear(2, 2).double()(x)
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError("no dtype mismatch")
+
+
 def test_a_crash_note_leaves_out_a_conversion_that_returned_the_tensor_itself() -> None:
     """It left the tensor where it already was: it cannot have caused a later device or dtype mismatch."""
-    x = torch.ones(2)
+    x = torch.ones(1, 2)
     with findings():
         x.float()
         x.double(); line = lineno()  # noqa: E702
-    notes = discarded_conversion.crash_notes(RuntimeError("mat1 and mat2 must have the same dtype"))
+    notes = discarded_conversion.crash_notes(_dtype_crash(x))
+    assert [note.split(" discarded a conversion earlier")[0] for note in notes] == [f"safetorch: {__file__}:{line}"]
+
+
+def test_a_crash_note_names_only_a_conversion_of_a_tensor_of_the_failing_operation() -> None:
+    """A discarded conversion of another tensor (``y.half()`` above an unrelated dtype crash) is not its cause."""
+    x, y = torch.ones(1, 2), torch.ones(3)
+    with findings() as got:
+        y.half()
+    assert len(got) == 1
+    assert discarded_conversion.crash_notes(_dtype_crash(x)) == []
+    with findings():
+        x.view(2).double(); line = lineno()  # noqa: E702  # a view of x: not the tensor the layer was given
+        x.double(); line = lineno()  # noqa: E702
+    notes = discarded_conversion.crash_notes(_dtype_crash(x))
     assert [note.split(" discarded a conversion earlier")[0] for note in notes] == [f"safetorch: {__file__}:{line}"]
 
 
