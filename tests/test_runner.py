@@ -577,3 +577,27 @@ def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
     assert proc.stdout.count("eval output requires grad: True") == 2
     assert out.count("StateDictLoadedNothingWarning: ST014 load_state_dict") == 1
     assert "ST010" not in out and "ST011" not in out
+
+
+def test_another_python_the_program_starts_gets_nothing_from_the_runner_and_says_nothing(tmp_path: str) -> None:
+    # A tool of another virtual environment (here: one without torch) starts with the runner's start-up hook on its
+    # PYTHONPATH: it does not install safetorch there, and prints nothing of it.
+    import venv
+
+    other = os.path.join(tmp_path, "other-venv")
+    venv.EnvBuilder(with_pip=False).create(other)
+    other_python = os.path.join(other, "bin", "python")
+    program = os.path.join(tmp_path, "starts_another.py")
+    with open(program, "w") as fh:
+        fh.write(textwrap.dedent(f"""\
+            import subprocess, sys
+            child = subprocess.run([{other_python!r}, "-c", "import sys; print('child', 'safetorch' in sys.modules)"],
+                                   capture_output=True, text=True)
+            print(child.stdout.strip(), repr(child.stderr))
+            same = subprocess.run([sys.executable, "-c", "import sys; print('safetorch' in sys.modules)"],
+                                  capture_output=True, text=True)
+            print("same python", same.stdout.strip())
+        """))
+    proc = _run([program], cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["child False ''", "same python True"]
