@@ -77,10 +77,10 @@ run_sid() {  # 3.14: Debian sid's python3 in a chroot (debootstrap), with its ow
     mountpoint -q "$target/repo" || mount --bind "$PWD" "$target/repo" || return 1
     mountpoint -q "$target/proc" || mount -t proc proc "$target/proc"
     cp /etc/resolv.conf "$target/etc/resolv.conf"
-    # this machine's certificate authorities (a proxy's, where there is one), for pip inside the chroot
-    cp /etc/ssl/certs/ca-certificates.crt "$target/etc/ssl/certs/host-ca-certificates.crt"
-    chroot "$target" /usr/bin/env PIP_CERT=/etc/ssl/certs/host-ca-certificates.crt /bin/bash -c "cd /repo &&
-        { [ -x /venv/bin/python ] || python3 -m venv /venv; } &&
+    # this machine's certificate authorities (a proxy's, where there is one) for pip inside the chroot, which reads
+    # the system's bundle (SSL_CERT_FILE and PIP_CERT, inherited, name that path)
+    cp /etc/ssl/certs/ca-certificates.crt "$target/etc/ssl/certs/ca-certificates.crt"
+    chroot "$target" /bin/bash -c "cd /repo && { [ -x /venv/bin/python ] || python3 -m venv /venv; } &&
         { /venv/bin/python -c 'import torch' 2>/dev/null || /venv/bin/python -m pip install -q 'torch==$TORCH'; } &&
         /venv/bin/python -m pip install -q -e '.[test]' &&
         PYTHONPATH=/repo /venv/bin/python -m pytest ${ARGS[*]}" > "$log" 2>&1
