@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["SAFETORCH_FORMAT"] = ns.format
     boot = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
     os.environ["SAFETORCH_RUNNER"] = "1"
+    os.environ["SAFETORCH_RUNNER_PYTHON"] = f"{sys.prefix}{os.pathsep}{sys.implementation.cache_tag}"  # see _boot
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (boot, os.environ.get("PYTHONPATH", "")) if p)
 
     if _config.PYPROJECT_ENV not in os.environ:

@@ -24,6 +24,7 @@ from ._compat import is_compiling
 from ._exceptions import SafetorchError
 from ._patch import registry
 from ._report import is_internal, user_frame
+from ._tracebacks import hide_own_frames
 
 GROUP = "core:backward"
 
@@ -49,9 +50,6 @@ _countdown: Iterator[int] = _NEVER
 count = 0
 _on_due: Callable[[], None] | None = None
 _is_compiling = is_compiling
-#: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``: two Python calls on
-#: every backward, where reading the flag is one attribute lookup (torch 2.3+; older releases call the function).
-_compiler = torch.compiler if hasattr(getattr(torch, "compiler", None), "_is_compiling_flag") else None
 
 
 def origin(caller: FrameType) -> tuple[FrameType | None, str]:
@@ -87,20 +85,24 @@ def _dispatch_known(original: Any) -> Any:
                  grad_variables: Any = None, inputs: Any = None) -> Any:
         __tracebackhide__ = True  # noqa: F841
         global count
-        count += 1
-        if _next(_countdown, None) is None:
-            _call_due()
-        if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):
-            for before in _before_now:
-                before(tensors)  # each listener guards its own logic; strict mode raises here
-        if not _on_error:
-            return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
         try:
-            return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
-        except RuntimeError as error:
-            replacement = _replacement(error)
-            if replacement is not None:
-                raise replacement from error
+            count += 1
+            if _next(_countdown, None) is None:
+                _call_due()
+            if _before_now and not _is_compiling():  # the function: dynamo guards a flag read (see eval_mode_grad)
+                for before in _before_now:
+                    before(tensors)  # each listener guards its own logic; strict mode raises here
+            if not _on_error:
+                return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+            try:
+                return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+            except RuntimeError as error:
+                replacement = _replacement(error)
+                if replacement is not None:
+                    raise replacement from error
+                raise
+        except BaseException as exc:  # no frame of ours in the traceback of what passes through
+            hide_own_frames(exc)
             raise
 
     return backward
@@ -113,19 +115,23 @@ def _dispatch_any(original: Any) -> Any:
     def backward(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
         global count
-        count += 1
-        if _next(_countdown, None) is None:
-            _call_due()
-        if _before_now and not (_compiler._is_compiling_flag if _compiler is not None else _is_compiling()):
-            tensors = args[0] if args else kwargs.get("tensors")
-            for before in _before_now:
-                before(tensors)
         try:
-            return original(*args, **kwargs)
-        except RuntimeError as error:
-            replacement = _replacement(error)
-            if replacement is not None:
-                raise replacement from error
+            count += 1
+            if _next(_countdown, None) is None:
+                _call_due()
+            if _before_now and not _is_compiling():  # the function: dynamo guards a flag read (see eval_mode_grad)
+                tensors = args[0] if args else kwargs.get("tensors")
+                for before in _before_now:
+                    before(tensors)
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError as error:
+                replacement = _replacement(error)
+                if replacement is not None:
+                    raise replacement from error
+                raise
+        except BaseException as exc:  # no frame of ours in the traceback of what passes through
+            hide_own_frames(exc)
             raise
 
     return backward

@@ -244,6 +244,26 @@ def _is_accumulation(code: CodeType, lasti: int) -> bool:
     return bool(_loaded(left) == _stored(store))
 
 
+def accumulation_names(frame: FrameType) -> tuple[str | None, str | None, bool]:
+    """For a frame executing ``acc += x`` or ``acc = acc + x``: (the name stored back, the name added, whether it is
+    ``+=``), each name as the bytecode proves it, or None — an attribute, a subscript or an expression is not named
+    (without the columns of 3.11's ``co_positions()``, a source line cannot tell which statement of the line, or
+    which part of it, runs)."""
+    info = _info(frame.f_code)
+    idx = info.index_at(frame.f_lasti)
+    if idx < 0 or idx + 1 >= len(info.instructions):
+        return None, None, True
+    op, store = info.instructions[idx], info.instructions[idx + 1]
+    target = _stored(store) if store.opname in _STORES else None
+    added = _producer(info.instructions, idx, 0)
+    addend = None
+    if added is not None and added.opname in _LOADS:
+        # the top of the stack: the second name of a fused pair that loads two (3.13's LOAD_FAST_LOAD_FAST)
+        addend = added.argval[-1] if isinstance(added.argval, tuple) else added.argval
+    in_place = op.opname == "INPLACE_ADD" or op.argrepr == "+="
+    return (target if isinstance(target, str) else None), (addend if isinstance(addend, str) else None), in_place
+
+
 def accumulates(frame: FrameType) -> bool:
     """True when the frame is executing ``acc += value`` or ``acc = acc + value`` (same name stored back)."""
     code = frame.f_code

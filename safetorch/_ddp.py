@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ._compat import is_compiling
+from ._hooks import untallied
 from ._patch import registry
 from ._report import internal_error
 
@@ -89,8 +90,8 @@ def _constructed(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
                         ranks, dist.get_rank(), frozenset(id(p) for p in instance.parameters()))
         live[id(instance)] = entry
         inner[id(module)] = entry
-        entry.state["hooks"] = (instance.register_forward_pre_hook(_pre),
-                                instance.register_forward_hook(_post, always_call=True))
+        entry.state["hooks"] = (untallied(instance.register_forward_pre_hook, _pre),
+                                untallied(instance.register_forward_hook, _post, always_call=True))
         weakref.finalize(instance, _forget, id(instance), id(module), entry)
         for new, _ in list(_listeners.values()):
             new(entry)

@@ -17,18 +17,50 @@ anywhere: from inside the hook, or from a ``weakref.finalize`` callback that a g
 of a backward. So `remove` only takes the hook out of the dict and queues the parameter; `settle` puts the queued
 parameters back, and is called only where no backward of ours can be running: the checks' step hooks, their backward
 listeners (before torch's backward starts), after a ``step(closure)``'s closure, and at uninstall.
+
+Every hook safetorch registers goes through `untallied`: torch numbers hook handles from one global counter
+(``RemovableHandle.next_id``), which a program can see (a tutorial printing its handles' ids); ours are filed under
+keys of their own (negative, which torch never gives) and the counter is put back, so the program's handles get
+the numbers they get without safetorch.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from torch.utils.hooks import unserializable_hook
+from torch.utils.hooks import RemovableHandle, unserializable_hook
 
-__all__ = ["LeafHook", "settle"]
+__all__ = ["LeafHook", "settle", "untallied"]
+
+_Handle = TypeVar("_Handle")
+#: The keys of our hooks in torch's hook dicts: negative, where torch counts up from 0.
+_keys = itertools.count(-1, -1)
+
+
+def untallied(register: Callable[..., _Handle], *args: Any, **kwargs: Any) -> _Handle:
+    """``register(*args, **kwargs)`` (a hook registration that appends: never ``prepend=True``) without moving
+    torch's global handle counter: the new handle's entry is filed under a key of ours in its dicts, and the counter
+    is put back. A registration that did not take exactly the next number (another thread's in between, a handle of
+    another kind) is left as torch made it."""
+    before = RemovableHandle.next_id
+    handle = register(*args, **kwargs)
+    try:
+        if isinstance(handle, RemovableHandle) and handle.id == before and RemovableHandle.next_id == before + 1:
+            key = next(_keys)
+            refs = (handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ()))
+            for ref in refs:
+                hooks = ref()
+                if hooks is not None and before in hooks:
+                    hooks[key] = hooks.pop(before)  # it was the last entry, and stays the last
+            handle.id = key
+            RemovableHandle.next_id = before
+    except Exception:  # a torch whose handles look otherwise: the numbers move, as they did
+        pass
+    return handle
 
 #: Our hooks running now (any thread): while one does, removals are queued.
 _inside = 0
@@ -55,7 +87,7 @@ class LeafHook:
             finally:
                 _inside -= 1
 
-        self._handle: Any = param.register_hook(hook)
+        self._handle: Any = untallied(param.register_hook, hook)
 
     def remove(self) -> None:
         handle, self._handle = self._handle, None

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from types import ModuleType, TracebackType
 from typing import Any
 
-from . import _callsite, _config, _notebook, _report, _run
+from . import _callsite, _config, _notebook, _report, _run, _unseen
 from ._exceptions import SafetorchConfigWarning, SafetorchError, SafetorchWarning
 from ._patch import registry, wrapt_c_extension
 
@@ -116,6 +116,7 @@ def install(strict: bool | None = None, ignore: Iterable[str] | str | None = Non
                 finally:
                     _report.internal_error(code, exc, "could not be installed")
         _rebind_early_imports()
+        _unseen.skip_own_frames()
         if _CORE not in registry.groups():
             if not wrapt_c_extension():
                 warnings.warn("safetorch: wrapt's C extension is not in use (WRAPT_DISABLE_EXTENSIONS, or a build "

@@ -72,7 +72,12 @@ def _enter_main() -> ModuleType:
     global _runner_main
     _runner_main = sys.modules.get("__main__")
     main = ModuleType("__main__")
-    main.__dict__.update(__annotations__={}, __builtins__=builtins, __loader__=importlib.machinery.BuiltinImporter)
+    main.__dict__.update(__builtins__=builtins, __loader__=importlib.machinery.BuiltinImporter)
+    if sys.version_info < (3, 14):
+        # Before PEP 649 python starts ``__main__`` with an empty ``__annotations__``; from 3.14 it adds none (the
+        # module's code sets ``__annotate__``, and ``__annotations__`` is computed from it: one put here would hide
+        # the program's annotations).
+        main.__annotations__ = {}
     sys.modules["__main__"] = main
     # multiprocessing, imported with torch before this, aliased the runner's __main__ as __mp_main__ (the name a
     # spawn worker's __main__ has, under which pickle sends back the classes it defines): alias the program's.

@@ -28,7 +28,8 @@ import torch
 from torch.nn import _reduction
 
 from ._compat import is_compiling
-from ._patch import registry
+from ._patch import registry, with_globals_of
+from ._tracebacks import hide_own_frames
 
 GROUP = "core:get_enum"
 
@@ -59,38 +60,48 @@ def _schedule() -> Iterator[bool]:
     return itertools.chain(itertools.repeat(True, FIRST), again)
 
 
-_looking = _schedule()
+#: The schedule in use, in a box that `reset` refills: the replacement holds the box, not this module.
+_looking = [_schedule()]
 
 
 def _dispatch(original: Any) -> Any:
-    """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it."""
+    """A plain function, not a wrapt proxy (see `Registry.replace`): every loss computation calls it. TorchScript,
+    compiling a scripted forward that calls a loss, reads torch's ``get_enum`` (``__wrapped__``) and resolves its
+    names in the replacement's globals: the replacement has torch's module's globals (`with_globals_of`) and reaches
+    everything of its own through its closure (``warnings``, which torch's function uses, is in safetorch's module
+    only by accident on some Pythons)."""
 
     # torch's own answers for the three valid names, asked once: a dict lookup costs less than calling torch's
     # function; anything else ('elementwise_mean', a typo) still goes to torch, for its warning or its error.
     known = {name: original(name) for name in ("none", "mean", "sum")}
+    legacies, looks, looking, getframe = _legacy, _looks, _looking, sys._getframe
+    following, grad_enabled, compiling, hide = _next, _is_grad_enabled, _is_compiling, hide_own_frames
 
     def get_enum(reduction: str) -> int:
         __tracebackhide__ = True  # noqa: F841
-        if reduction == "elementwise_mean" and _legacy:
-            for legacy in list(_legacy.values()):
-                legacy()
-            reduction = "mean"
-        if _next(_looking) and _looks and _is_grad_enabled() and not _is_compiling():
-            caller = sys._getframe(1)
-            look = _looks.get(caller.f_code)
-            if look is not None:
-                look(caller)
-        if reduction in known:
-            return known[reduction]
-        return original(reduction)  # type: ignore[no-any-return]
+        try:
+            if reduction == "elementwise_mean" and legacies:
+                for legacy in list(legacies.values()):
+                    legacy()
+                reduction = "mean"
+            if following(looking[0]) and looks and grad_enabled() and not compiling():
+                caller = getframe(1)
+                look = looks.get(caller.f_code)
+                if look is not None:
+                    look(caller)
+            if reduction in known:
+                return known[reduction]
+            return original(reduction)  # type: ignore[no-any-return]
+        except BaseException as exc:  # no frame of ours in the traceback of what passes through
+            hide(exc)
+            raise
 
-    return get_enum
+    return with_globals_of(original, get_enum)
 
 
 def reset() -> None:
     """Start counting losses again, as a new process does (for the tests)."""
-    global _looking
-    _looking = _schedule()
+    _looking[0] = _schedule()
 
 
 def _update() -> None:

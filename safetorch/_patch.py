@@ -56,6 +56,8 @@ from typing import Any
 
 import wrapt
 
+from ._tracebacks import hide_own_frames
+
 __all__ = ["MethodPatch", "Registry", "caller", "is_patch", "registry", "with_globals_of", "wrapt_c_extension"]
 
 _MISSING = object()
@@ -283,10 +285,14 @@ def _adapter(target: Any, wrapper: Wrapper) -> Any:
 
     def patched(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        if not args:
-            return wrapper(patched.__wrapped__, None, args, kwargs)
-        instance = args[0]  # as wrapt does: the wrapper gets the original bound to the instance, and the rest
-        return wrapper(patched.__wrapped__.__get__(instance, type(instance)), instance, args[1:], kwargs)
+        try:
+            if not args:
+                return wrapper(patched.__wrapped__, None, args, kwargs)
+            instance = args[0]  # as wrapt does: the wrapper gets the original bound to the instance, and the rest
+            return wrapper(patched.__wrapped__.__get__(instance, type(instance)), instance, args[1:], kwargs)
+        except BaseException as exc:  # torch's error, or a strict-mode finding: no frame of ours in its traceback
+            hide_own_frames(exc)
+            raise
 
     functools.update_wrapper(patched, target)
     return patched

@@ -35,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from . import _backward
 from ._callsite import method_call
 from ._compat import is_compiling
+from ._hooks import untallied
 from ._patch import registry
 from ._report import internal_error, report, user_frame
 
@@ -91,9 +92,9 @@ def _arm() -> None:
     if not _listeners:
         return
     if _handle is None:
-        _handle = register_optimizer_step_pre_hook(_before_step)
+        _handle = untallied(register_optimizer_step_pre_hook, _before_step)
     if _after and _post_handle is None:
-        _post_handle = register_optimizer_step_post_hook(_after_step)
+        _post_handle = untallied(register_optimizer_step_post_hook, _after_step)
     _backward.call_after(EVERY, _tick)
 
 
@@ -148,6 +149,9 @@ def _tick() -> None:
 
 def _before_step(optimizer: Optimizer, args: tuple[Any, ...],
                  kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    if is_compiling():
+        # A compiled step (dynamo inlines the hook): no counting, which dynamo would guard (a recompile every step)
+        return None
     entry = _steps.get(id(optimizer))
     if entry is None or entry[0]() is not optimizer:
         entry = _entry(optimizer)
@@ -158,8 +162,6 @@ def _before_step(optimizer: Optimizer, args: tuple[Any, ...],
     n = entry[1] = entry[1] + 1
     if not left:
         _window_closed()
-    if is_compiling():
-        return None
     caller = sys._getframe(2)  # the hook <- torch's step wrapper <- the caller of step()
     if closure is not None:
         return _wrap_closure(optimizer, closure, caller, args, kwargs)
@@ -190,6 +192,8 @@ def _wrap_closure(optimizer: Optimizer, closure: Callable[[], Any], caller: Fram
 
 
 def _after_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if is_compiling():
+        return
     n = _stepping.pop(id(optimizer), None)
     if n is None:
         return  # not a looked-at step (another optimizer's window keeps the hooks in place)

@@ -27,9 +27,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "jobs, a program run many times over): what CI runs")
 
 
+#: Files whose every test depends on the Python version: bytecode reading, frames and tracebacks, line attribution,
+#: the runner and its child processes, dynamo. Marked ``python`` (with single tests marked in other files: TorchScript,
+#: annotations), which CI runs on a second Python: ``pytest -m python``.
+PYTHON_SENSITIVE = frozenset({
+    "test_callsite.py", "test_compiled.py", "test_discarded_conversion.py", "test_graph_accumulation.py",
+    "test_processes.py", "test_raise_path.py", "test_reporter.py", "test_runner.py", "test_suppression.py",
+    "test_tracebacks.py",
+})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked slow take most of the suite's time: skipped unless --runslow, so that a plain `python -m pytest`
-    is a few minutes."""
+    is a few minutes. The files of `PYTHON_SENSITIVE` are marked ``python``."""
+    for item in items:
+        if item.path.name in PYTHON_SENSITIVE:
+            item.add_marker(pytest.mark.python)
     if config.getoption("--runslow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --runslow")

@@ -780,6 +780,7 @@ with warnings.catch_warnings():  # torch 2.10+ deprecates torch.jit.script; prog
         return x * 2
 
 
+@pytest.mark.python
 def test_a_scripted_class_resolves_module_level_names() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -100,6 +100,7 @@ class _Scriptable(nn.Module):
         return F.dropout(x, 0.5, self.training) + F.dropout2d(x, p=0.0) + nn.functional.dropout(x, training=False)
 
 
+@pytest.mark.python
 def test_torchscript_compiles_forwards_that_call_the_replaced_functions() -> None:
     # TorchScript compiles what a scripted forward calls from its source and resolves names in its globals.
     import warnings

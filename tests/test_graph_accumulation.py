@@ -3,6 +3,8 @@ silent."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -41,6 +43,8 @@ def test_same_name_stored_back_warns() -> None:
     assert str(got[0].message).endswith("Write: acc = acc + loss.item() (safetorch explain ST004)")
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the addend's expression is read from co_positions() (3.11+); "
+                    "3.10's message: test_without_columns_the_message_names_only_what_the_bytecode_proves")
 def test_accumulating_before_backward_is_found_once_it_outlives_a_step() -> None:
     total = 0.0
     with findings() as got:
@@ -54,6 +58,8 @@ def test_accumulating_before_backward_is_found_once_it_outlives_a_step() -> None
     assert str(got[0].message).endswith("Write: total += (loss * 2).item() (safetorch explain ST004)")
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the addend's expression is read from co_positions() (3.11+); "
+                    "3.10's message: test_without_columns_the_message_names_only_what_the_bytecode_proves")
 def test_attribute_target_and_vector_value() -> None:
     class Meter:
         total = 0.0
@@ -154,3 +160,27 @@ def test_a_loss_backwarded_before_the_last_eight_is_still_found() -> None:
     with findings() as got:
         other += losses[-1]; line = lineno()  # noqa: E702
     assert [(w.category, w.lineno) for w in got] == [(GraphAccumulationWarning, line)]  # among the last eight: at once
+
+
+@pytest.mark.python
+def test_without_columns_the_message_names_only_what_the_bytecode_proves(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3.10 has no co_positions(): a line cannot say which of its statements runs. The names come from the bytecode
+    # (the name stored back, a plain name added), or the message names none: it never invents one.
+    from safetorch.checks import graph_accumulation
+
+    monkeypatch.setattr(graph_accumulation, "call_source", lambda frame: None)
+    loss = make_loss()
+    loss.backward()
+    total_loss, acc, other = 0.0, 0, 0.0
+    box = type("Box", (), {"loss": loss})
+    with findings() as got:
+        total_loss += loss; other += 1.0  # noqa: E702
+        acc = acc + loss
+        other += box.loss
+    messages = [str(w.message) for w in got]
+    assert messages[0].startswith("ST004 total_loss += loss adds a tensor that requires grad to a Python number")
+    assert messages[0].endswith("Write: total_loss += loss.item() (safetorch explain ST004)")
+    assert messages[1].endswith("Write: acc = acc + loss.item() (safetorch explain ST004)")
+    assert messages[2].startswith("ST004 a tensor that requires grad is added to a Python number (other): ")
+    assert messages[2].endswith("Write: add the tensor's .item() instead of the tensor (safetorch explain ST004)")
+    assert len(messages) == 3 and "total " not in " ".join(messages)

@@ -79,3 +79,35 @@ def test_a_tensor_that_refuses_the_reset_keeps_its_empty_dict_and_nothing_raises
     settle()
     assert not _hooks._queued
     assert p._backward_hooks is not None and not p._backward_hooks
+
+
+_HOOK_IDS = """
+import os, torch, torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+if os.environ.get("WITH_SAFETORCH"):
+    import safetorch
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.1), nn.Linear(8, 2))
+ids = [model[0].register_forward_hook(lambda *a: None).id]
+for opt in (torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.Adam(model.parameters())):
+    for _ in range(40):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    model.eval()
+    model(torch.randn(8, 4)).sum()  # an eval-mode forward with autograd on
+    model.train()
+    ids.append(model[3].register_forward_hook(lambda *a: None).id)
+ids.append(RemovableHandle.next_id)
+print(ids)
+"""
+
+
+def test_the_programs_hook_handles_get_the_ids_they_get_without_safetorch() -> None:
+    # torch numbers every hook handle from one global counter; a program that prints its handles (the pruning
+    # tutorial) prints the same numbers with safetorch on: its hooks are filed under keys of their own.
+    from .conftest import run_python
+
+    off, on = run_python(_HOOK_IDS), run_python(_HOOK_IDS, env={"WITH_SAFETORCH": "1"})
+    assert (off.returncode, on.returncode) == (0, 0), on.stderr[-2000:]
+    assert on.stdout == off.stdout and on.stdout.strip() == "[0, 1, 2, 3]"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +24,7 @@ from safetorch._report import reset
 from safetorch.checks import legacy_reduction
 from safetorch.checks.legacy_reduction import loss_classes, loss_functions
 
-from .conftest import findings, lineno
+from .conftest import clean_env, findings, lineno
 
 # torch's own notices about what these tests exercise on purpose (legacy losses, experimental dtypes)
 pytestmark = [
@@ -210,6 +213,42 @@ def test_correct_calls_pass_through_untouched(monkeypatch: pytest.MonkeyPatch) -
         warnings.simplefilter("always")
         F.kl_div(torch.randn(2, 3), torch.rand(2, 3)); line = lineno()  # noqa: E702
     assert [(w.filename, w.lineno) for w in caught if "batchmean" in str(w.message)] == [(__file__, line)]
+
+
+_SCRIPTED_LOSSES = """
+import typing, warnings
+vars(typing).pop("warnings", None)  # present on some Pythons only: nothing may depend on it
+import torch, torch.nn as nn, torch.nn.functional as F
+import safetorch
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.criterion = nn.Linear(3, 2), nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        return self.criterion(logits, y) + F.nll_loss(logits.log_softmax(1), y) + F.mse_loss(logits, logits.detach())
+
+warnings.simplefilter("ignore", FutureWarning)  # torch 2.10+ deprecates torch.jit.script
+warnings.simplefilter("ignore", DeprecationWarning)
+torch.manual_seed(0)
+model, x, y = Model(), torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+scripted = torch.jit.script(model)
+print(torch.equal(scripted(x, y), model(x, y)), F.cross_entropy.__module__)
+"""
+
+
+@pytest.mark.python
+def test_torchscript_compiles_a_forward_that_calls_losses(tmp_path: Path) -> None:
+    # TorchScript compiles get_enum from torch's source and resolves its names in the replacement's globals, which
+    # must be torch's: ``warnings`` reached safetorch's module through ``typing`` on 3.11 and 3.12 only.
+    program = tmp_path / "scripted.py"
+    program.write_text(_SCRIPTED_LOSSES)
+    proc = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, env=clean_env(),
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "torch.nn.functional"]
 
 
 # --- functions, with torch's own op_db sample inputs -----------------------------------------------------------

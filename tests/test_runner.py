@@ -105,7 +105,9 @@ def test_help_and_console_script(tmp_path: str) -> None:
     assert proc.stdout.startswith("usage: python -m safetorch [options] [--] script.py [args ...]")
     for code, rule in safetorch.RULES.items():  # the rule list comes from the rule table
         assert re.search(rf"^  {code}  {re.escape(rule.name)} +{re.escape(rule.summary)}$", proc.stdout, re.M)
-    exe = shutil.which("safetorch")
+    # the console script of the Python running the tests (a virtual environment's, where it is not activated)
+    beside = os.path.join(os.path.dirname(sys.executable), "safetorch")
+    exe = beside if os.path.exists(beside) else shutil.which("safetorch")
     if exe is None:
         pytest.skip("the console script is not installed (pip install -e .)")
     console = subprocess.run([exe, "--help"], capture_output=True, text=True).stdout
@@ -156,10 +158,12 @@ def test_spawned_workers_behave_as_without_the_runner(tmp_path: str) -> None:
 # --- the program runs as `python script.py` / `python -m module` runs it ------------------------------------------
 
 PROBE = textwrap.dedent("""\
-    import builtins, json, os, pickle, sys, warnings
+    import builtins, inspect, json, os, pickle, sys, warnings
 
     class Thing:
         pass
+
+    answer: int = 42  # a module annotation: kept by the runner on every Python (3.14 computes them, PEP 649)
 
     def spec(s):
         return None if s is None else [s.name, s.origin, s.cached, s.parent, type(s.loader).__name__]
@@ -172,7 +176,8 @@ PROBE = textwrap.dedent("""\
         "__file__": __file__, "argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "__spec__": spec(__spec__),
         "__name__": __name__, "__package__": __package__, "__cached__": __cached__, "__doc__": __doc__,
         "__loader__": [type(__loader__).__name__, getattr(__loader__, "name", None), getattr(__loader__, "path", None)],
-        "__builtins__ is builtins": __builtins__ is builtins, "__annotations__": __annotations__,
+        "__builtins__ is builtins": __builtins__ is builtins,
+        "annotations": {k: getattr(v, "__name__", repr(v)) for k, v in inspect.get_annotations(main).items()},
         "sys.modules['__main__'] runs this code": vars(main) is globals(),
         "dunders": sorted(k for k in globals() if k.startswith("__")),
         "co_filename": sys._getframe().f_code.co_filename,
@@ -194,6 +199,7 @@ def _tree(tmp_path: str) -> str:
     return root
 
 
+@pytest.mark.python
 @pytest.mark.parametrize("cwd, start, env", [
     ("scripts", ["probe.py"], {}),  # a relative path in the current directory: __file__ was relative, dirname ""
     ("work", ["../scripts/probe.py"], {}),  # a relative path in another directory
@@ -218,11 +224,14 @@ def test_the_program_sees_what_a_plain_python_run_shows_it(tmp_path: str, cwd: s
     seen, expected = json.loads(runner.stdout), json.loads(plain.stdout)
     assert seen == expected
     assert seen["sys.modules['__main__'] runs this code"] and seen["pickled"] == "__main__"
+    assert seen["annotations"] == {"answer": "int"}
 
 
 def test_the_console_script_starts_the_program_as_python_does(tmp_path: str) -> None:
     """`safetorch script.py`: the console script's own directory is not the program's sys.path[0]."""
-    exe = shutil.which("safetorch")
+    # the console script of the Python running the tests (a virtual environment's, where it is not activated)
+    beside = os.path.join(os.path.dirname(sys.executable), "safetorch")
+    exe = beside if os.path.exists(beside) else shutil.which("safetorch")
     if exe is None:
         pytest.skip("the console script is not installed (pip install -e .)")
     root = _tree(tmp_path)
@@ -572,3 +581,27 @@ def test_torchrun_prints_each_finding_once_for_the_job(tmp_path: str) -> None:
     assert proc.stdout.count("eval output requires grad: True") == 2
     assert out.count("StateDictLoadedNothingWarning: ST014 load_state_dict") == 1
     assert "ST010" not in out and "ST011" not in out
+
+
+def test_another_python_the_program_starts_gets_nothing_from_the_runner_and_says_nothing(tmp_path: str) -> None:
+    # A tool of another virtual environment (here: one without torch) starts with the runner's start-up hook on its
+    # PYTHONPATH: it does not install safetorch there, and prints nothing of it.
+    import venv
+
+    other = os.path.join(tmp_path, "other-venv")
+    venv.EnvBuilder(with_pip=False).create(other)
+    other_python = os.path.join(other, "bin", "python")
+    program = os.path.join(tmp_path, "starts_another.py")
+    with open(program, "w") as fh:
+        fh.write(textwrap.dedent(f"""\
+            import subprocess, sys
+            child = subprocess.run([{other_python!r}, "-c", "import sys; print('child', 'safetorch' in sys.modules)"],
+                                   capture_output=True, text=True)
+            print(child.stdout.strip(), repr(child.stderr))
+            same = subprocess.run([sys.executable, "-c", "import sys; print('safetorch' in sys.modules)"],
+                                  capture_output=True, text=True)
+            print("same python", same.stdout.strip())
+        """))
+    proc = _run([program], cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["child False ''", "same python True"]

@@ -31,6 +31,7 @@ from .. import _ddp
 from .._callsite import Spot, quoted_call
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
+from .._hooks import untallied
 from .._patch import Registry
 from .._report import internal_error, report, report_at, user_frame
 from .._rule import Rule
@@ -106,7 +107,7 @@ def _bare_post(module: torch.nn.Module, args: Any, output: Any) -> None:
         def hook(grad: torch.Tensor) -> None:
             _reached(spot, accumulator)
 
-        out.register_hook(hook)
+        untallied(out.register_hook, hook)
     except Exception as exc:
         internal_error(CODE, exc)
 
@@ -183,7 +184,8 @@ def _move_message(frame: Any, what: str) -> str:
 def _new(entry: _ddp.Wrapped) -> None:
     module = entry.module()
     if module is not None:
-        handles = (module.register_forward_pre_hook(_bare_pre), module.register_forward_hook(_bare_post))
+        handles = (untallied(module.register_forward_pre_hook, _bare_pre),
+                   untallied(module.register_forward_hook, _bare_post))
         entry.state[CODE + ":hooks"] = handles
 
 

@@ -10,6 +10,7 @@ instruction is POP_TOP): one cached dict lookup per call. Only ``torch.Tensor`` 
 from __future__ import annotations
 
 import sys
+import weakref
 from types import FrameType
 from typing import Any
 
@@ -22,6 +23,7 @@ from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
 from .._report import internal_error, is_internal, report
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 
 CODE = "ST001"
 
@@ -106,16 +108,20 @@ class _Conversion(MethodPatch):
     def calling(wrapped: Any, name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            result = wrapped(*args, **kwargs) if kwargs else wrapped(*args)
             try:
-                frame = _getframe(1)
-                # The hot path: one cached lookup of a call site whose result is used.
-                code = frame.f_code
-                if _kept.get(frame.f_lasti) is not code:
-                    _after_call(frame, name, len(args) - 1, result, args[0] if args else None)
-            except Exception as exc:  # strict-mode findings pass through internal_error
-                internal_error(CODE, exc)
-            return result
+                result = wrapped(*args, **kwargs) if kwargs else wrapped(*args)
+                try:
+                    frame = _getframe(1)
+                    # The hot path: one cached lookup of a call site whose result is used.
+                    code = frame.f_code
+                    if _kept.get(frame.f_lasti) is not code:
+                        _after_call(frame, name, len(args) - 1, result, args[0] if args else None)
+                except Exception as exc:  # strict-mode findings pass through internal_error
+                    internal_error(CODE, exc)
+                return result
+            except BaseException as exc:  # no frame of ours in the traceback of what passes through
+                hide_own_frames(exc)
+                raise
 
         return call
 
@@ -131,6 +137,9 @@ def _after_call(frame: FrameType, method: str, nargs: int, result: Any, receiver
     elif not _is_compiling() and isinstance(result, torch.Tensor) and not is_internal(frame.f_code) \
             and calls_method(frame, method) is not False:
         itself = result is receiver
+        if isinstance(receiver, torch.Tensor):  # the tensor left unconverted, for a crash note (`crash_notes`)
+            trim(_unconverted, MAX_ANSWERS)
+            _unconverted[(frame.f_code.co_filename, frame.f_lineno)] = weakref.ref(receiver)
         report(CODE, frame, lambda: _message(frame, method, nargs, itself))
 
 
@@ -155,16 +164,49 @@ MISMATCH = (
 )
 
 
+#: The tensor each discarded conversion left unconverted (its last, by line): a crash note names the line only when
+#: that tensor is an operand of the operation that failed.
+_unconverted: dict[tuple[str, int], weakref.ref[torch.Tensor]] = {}
+
+
+def _operands(exc: BaseException) -> set[int]:
+    """The ids of the tensors the failing operation could have been given: those the innermost frame of the
+    traceback holds (its locals, one level into lists, tuples and dicts, and the parameters and buffers of a module
+    it holds, as ``self`` in ``Linear.forward``)."""
+    tb = exc.__traceback__
+    if tb is None:
+        return set()
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    found: set[int] = set()
+    for value in list(tb.tb_frame.f_locals.values()):
+        items = list(value.values()) if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        if isinstance(value, torch.nn.Module):
+            items = [*value._parameters.values(), *value._buffers.values()]
+        for item in (value, *items[:64]):
+            if isinstance(item, torch.Tensor):
+                found.add(id(item))
+    return found
+
+
 def crash_notes(exc: BaseException) -> list[str]:
-    """For an uncaught device/dtype mismatch: name the earlier discarded conversions, its usual cause."""
+    """For an uncaught device/dtype mismatch: name the earlier discarded conversions of a tensor that the failing
+    operation was given, its usual cause (a discarded conversion of another tensor is no cause of this error)."""
     text = str(exc)
     if not isinstance(exc, (RuntimeError, TypeError)) or not any(m in text for m in MISMATCH):
         return []
     from .._report import findings
 
+    operands = _operands(exc)
+
+    def operand(site: Any) -> bool:
+        ref = _unconverted.get((site.filename, site.lineno))
+        tensor = ref() if ref is not None else None
+        return tensor is not None and id(tensor) in operands
+
     # A call that returned the tensor itself left it where it was already: it cannot have caused the mismatch.
     # Nor can a discarded reshape move a tensor or change its dtype.
     sites = [s for s in findings()
-             if s.code == CODE and _ITSELF not in s.message and "of the new shape" not in s.message]
+             if s.code == CODE and _ITSELF not in s.message and "of the new shape" not in s.message and operand(s)]
     return [f"safetorch: {s.filename}:{s.lineno} discarded a conversion earlier, the usual cause of this error: "
             f"{s.message.removeprefix(CODE).strip()}" for s in sites[-3:]]

@@ -76,10 +76,12 @@ from .. import _backward, _callsite, _config, _visible
 from .._callsite import callee, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
+from .._hooks import untallied
 from .._modes import eval_effects, joined
 from .._patch import MethodPatch, Registry, registry
 from .._report import before_summary, internal_error, is_internal, report_at, rule_off, suppressed, user_frame
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 from . import _eval_act
 
 CODE = "ST003"
@@ -108,9 +110,6 @@ _fx_trace = getattr(torch.fx, "_symbolic_trace", None)  # its flag is read: is_f
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None) or (lambda: 0)
 _profiling = getattr(torch._C._autograd, "_profiler_enabled", None) or (lambda: False)
 _getrefcount = sys.getrefcount
-#: ``torch.compiler.is_compiling()`` reads this flag after a call to ``torch.jit.is_scripting()``; dynamo holds it True
-#: while it compiles (torch 2.3+; older releases call the function).
-_compiler = torch.compiler if hasattr(getattr(torch, "compiler", None), "_is_compiling_flag") else None
 
 _GRAPH_BUDGET = 200_000  # autograd nodes walked per watched forward; beyond it, assume the graph is needed
 _INPUT_BUDGET = 1_000  # objects looked at per forward when searching the inputs for a tensor requiring grad
@@ -240,42 +239,48 @@ class _Guard:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
         module = self.module()
-        if _compiler._is_compiling_flag if _compiler is not None else _is_compiling():
+        # The function, not torch.compiler's flag: dynamo answers the call as a constant, while it would guard a
+        # flag read, True while it traces and False when the graph runs (a recompile at every call).
+        if _is_compiling():
             return _module_call_impl(module, *args, **kwargs)  # dynamo traces this: sys._getframe would break it
-        # Held by more than the module's __dict__ and this call: perhaps by a copy of that __dict__ (a clone). Only
-        # then is the caller's frame read (the refcount costs a C call; the frame's locals, a dict).
-        if _getrefcount(self) > _GUARD_REFS:
-            caller = sys._getframe(1)
-            owner = caller.f_locals.get("self") if caller.f_code is _wrapped_call_impl_code else module
-            if owner is not module and isinstance(owner, torch.nn.Module):
-                # Found in a copy of another module's __dict__ (a clone made by copying it): the clone runs its own
-                # forward, unguarded; the guard belongs to the module it was made for.
-                if owner.__dict__.get("_call_impl") is self:
-                    del owner.__dict__["_call_impl"]
-                return _module_call_impl(owner, *args, **kwargs)
-        if module is None:
-            raise RuntimeError("safetorch: a module guard outlived its module")
-        if module.training or not _eval_codes:
-            followed = _followed.get(id(module))
-            if followed is not None and followed[0]() is module:
-                if module.training:
-                    # ST019's: a trained module's forward in training mode. One that follows a backward (every
-                    # training step's) only notes the count; one with no backward since the module's last forward
-                    # goes to ST019.
-                    count = _backward.count
-                    if followed[2] != count:
-                        followed[2] = count
-                        return _module_call_impl(module, *args, **kwargs)
-                    return followed[1](module, args, kwargs)
-                return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
-            _unguard(module, self)
-            return _module_call_impl(module, *args, **kwargs)
-        if not _is_grad_enabled():  # an evaluation (every validation forward: one C call)
-            self.evaluated = True
-            return _module_call_impl(module, *args, **kwargs)
-        if _thread.explicit:
-            return _module_call_impl(module, *args, **kwargs)
-        return _eval_forward(module, self, args, kwargs)
+        try:
+            # Held by more than the module's __dict__ and this call: perhaps by a copy of that __dict__ (a clone). Only
+            # then is the caller's frame read (the refcount costs a C call; the frame's locals, a dict).
+            if _getrefcount(self) > _GUARD_REFS:
+                caller = sys._getframe(1)
+                owner = caller.f_locals.get("self") if caller.f_code is _wrapped_call_impl_code else module
+                if owner is not module and isinstance(owner, torch.nn.Module):
+                    # Found in a copy of another module's __dict__ (a clone made by copying it): the clone runs its own
+                    # forward, unguarded; the guard belongs to the module it was made for.
+                    if owner.__dict__.get("_call_impl") is self:
+                        del owner.__dict__["_call_impl"]
+                    return _module_call_impl(owner, *args, **kwargs)
+            if module is None:
+                raise RuntimeError("safetorch: a module guard outlived its module")
+            if module.training or not _eval_codes:
+                followed = _followed.get(id(module))
+                if followed is not None and followed[0]() is module:
+                    if module.training:
+                        # ST019's: a trained module's forward in training mode. One that follows a backward (every
+                        # training step's) only notes the count; one with no backward since the module's last forward
+                        # goes to ST019.
+                        count = _backward.count
+                        if followed[2] != count:
+                            followed[2] = count
+                            return _module_call_impl(module, *args, **kwargs)
+                        return followed[1](module, args, kwargs)
+                    return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
+                _unguard(module, self)
+                return _module_call_impl(module, *args, **kwargs)
+            if not _is_grad_enabled():  # an evaluation (every validation forward: one C call)
+                self.evaluated = True
+                return _module_call_impl(module, *args, **kwargs)
+            if _thread.explicit:
+                return _module_call_impl(module, *args, **kwargs)
+            return _eval_forward(module, self, args, kwargs)
+        except BaseException as exc:  # the program's error in its forward: its traceback shows no frame of ours
+            hide_own_frames(exc)
+            raise
 
     def __reduce__(self) -> Any:
         """Never pickled with a module (see `_getstate`), unless a subclass's own ``__getstate__`` copies the
@@ -593,7 +598,7 @@ def _inspect(module: torch.nn.Module, site: _Site, output: Any) -> None:
                 site.needs_grad("a tensor that is not its parameter")
                 return
             continue
-        node.register_prehook(reached)
+        untallied(node.register_prehook, reached)
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
                 seen.add(nxt)
@@ -763,7 +768,7 @@ def _arm_st008(site: _Site, origin: Origin | None) -> None:
         site.st008, site.origin = 0, origin
         _sites.pending.append(site)
         if _sites.step_hook is None:
-            _sites.step_hook = register_optimizer_step_pre_hook(_step_pre_hook)
+            _sites.step_hook = untallied(register_optimizer_step_pre_hook, _step_pre_hook)
 
 
 _UNHOOK = "ST008:unhook"
@@ -905,39 +910,44 @@ def _train(original: Any) -> Any:
     guard of its own (a frozen BatchNorm's, from an eval() of its own)."""
 
     def train(self: Any, mode: bool = True) -> Any:
-        if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
-            raised = None
-            if _due and not _config.current.strict:
+        __tracebackhide__ = True  # noqa: F841
+        try:
+            if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
+                raised = None
+                if _due and not _config.current.strict:
+                    try:
+                        _flush()  # the evaluation ended: decided while its model is still in eval mode
+                    except Warning as warning:  # a filter set to "error": raised once the module is in training mode
+                        raised = warning
+                result = original(self, mode)
                 try:
-                    _flush()  # the evaluation ended: decided while its model is still in eval mode
-                except Warning as warning:  # a filter set to "error": raised once the module is in training mode
-                    raised = warning
-            result = original(self, mode)
+                    if "_call_impl" in self.__dict__ and self.training:
+                        _unguard(self)
+                except Exception as exc:
+                    internal_error(CODE, exc)
+                if raised is not None:
+                    raise raised
+                return result
+            ident = _get_ident()
+            if ident in _training_threads:
+                return original(self, mode)
+            _training_threads[ident] = True
             try:
-                if "_call_impl" in self.__dict__ and self.training:
-                    _unguard(self)
+                result = original(self, mode)
+            finally:
+                del _training_threads[ident]
+            try:
+                if self.training:
+                    if "_call_impl" in self.__dict__:
+                        _unguard(self)
+                elif _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
+                    _guard(self, _origin(sys._getframe(1)))
             except Exception as exc:
                 internal_error(CODE, exc)
-            if raised is not None:
-                raise raised
             return result
-        ident = _get_ident()
-        if ident in _training_threads:
-            return original(self, mode)
-        _training_threads[ident] = True
-        try:
-            result = original(self, mode)
-        finally:
-            del _training_threads[ident]
-        try:
-            if self.training:
-                if "_call_impl" in self.__dict__:
-                    _unguard(self)
-            elif _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
-                _guard(self, _origin(sys._getframe(1)))
-        except Exception as exc:
-            internal_error(CODE, exc)
-        return result
+        except BaseException as exc:  # no frame of ours in the traceback of what passes through
+            hide_own_frames(exc)
+            raise
 
     return train
 

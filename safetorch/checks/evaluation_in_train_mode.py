@@ -46,6 +46,7 @@ from .. import _backward, _steps, _visible
 from .._callsite import callee
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
+from .._hooks import untallied
 from .._modes import joined, train_effects
 from .._patch import Registry
 from .._report import before_summary, internal_error, report_at, rule_off, suppressed, user_frame
@@ -220,7 +221,7 @@ def _watch(site: _Site, output: Any) -> None:
     mark = _Mark(site)
     seen = _Seen(mark)
     for node in nodes:
-        node.register_prehook(seen)
+        untallied(node.register_prehook, seen)
     mark.ref = weakref.ref(seen, mark.died)
     site.marks.append(mark)
 

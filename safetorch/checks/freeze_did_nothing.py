@@ -38,6 +38,7 @@ from .._exceptions import SafetorchWarning
 from .._patch import Registry
 from .._report import internal_error, is_internal, report, report_at, user_frame
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 
 CODE = "ST015"
 
@@ -97,9 +98,13 @@ def _module_setattr(original: Any) -> Any:
 
     def __setattr__(self: nn.Module, name: str, value: Any) -> None:
         __tracebackhide__ = True  # noqa: F841
-        original(self, name, value)
-        if name in _MODULE_NAMES:
-            _noted(self, name, value, sys._getframe(1))
+        try:
+            original(self, name, value)
+            if name in _MODULE_NAMES:
+                _noted(self, name, value, sys._getframe(1))
+        except BaseException as exc:  # no frame of ours in the traceback of what passes through
+            hide_own_frames(exc)
+            raise
 
     return __setattr__
 

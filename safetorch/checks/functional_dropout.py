@@ -33,6 +33,7 @@ from .._exceptions import SafetorchWarning
 from .._patch import Registry, with_globals_of
 from .._report import internal_error, is_internal, report
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 
 CODE = "ST013"
 
@@ -142,23 +143,31 @@ def _replacement(function: str) -> Any:
     its closure only (`safetorch._patch.with_globals_of`)."""
 
     def factory(original: Any) -> Any:
-        look, getframe, unset = _look, sys._getframe, _UNSET
+        look, getframe, unset, hide = _look, sys._getframe, _UNSET, hide_own_frames
         if tuple(inspect.signature(original).parameters) != _PARAMETERS:
 
             def dropout_any(*args: Any, **kwargs: Any) -> Any:  # a torch with other parameters than the known ones
                 __tracebackhide__ = True  # noqa: F841
-                if len(args) < 3 and "training" not in kwargs:
-                    look(function, getframe(1), args[1] if len(args) > 1 else kwargs.get("p", 0.5))
-                return original(*args, **kwargs)
+                try:
+                    if len(args) < 3 and "training" not in kwargs:
+                        look(function, getframe(1), args[1] if len(args) > 1 else kwargs.get("p", 0.5))
+                    return original(*args, **kwargs)
+                except BaseException as exc:  # no frame of ours in the traceback of what passes through
+                    hide(exc)
+                    raise
 
             return with_globals_of(original, dropout_any)
 
         def dropout(input: Any, p: Any = 0.5, training: Any = unset, inplace: Any = False) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            if training is unset:
-                training = True
-                look(function, getframe(1), p)
-            return original(input, p, training, inplace)
+            try:
+                if training is unset:
+                    training = True
+                    look(function, getframe(1), p)
+                return original(input, p, training, inplace)
+            except BaseException as exc:  # no frame of ours in the traceback of what passes through
+                hide(exc)
+                raise
 
         return with_globals_of(original, dropout)
 

@@ -56,7 +56,7 @@ from .. import _backward, _deferred, _steps, _visible
 from .._callsite import Spot, method_call
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
-from .._hooks import LeafHook, settle
+from .._hooks import LeafHook, settle, untallied
 from .._modes import train_effects
 from .._patch import Registry
 from .._report import internal_error, report_at
@@ -260,7 +260,7 @@ def _start(tensors: Any, frame: FrameType, method: str) -> None:
 
         chain.handle = LeafHook(param, lambda incoming, watch=watch, chain=chain: _on_backward(watch, chain, incoming))
     if _state.step_hook is None:
-        _state.step_hook = register_optimizer_step_pre_hook(_stepped)
+        _state.step_hook = untallied(register_optimizer_step_pre_hook, _stepped)
 
 
 def _partial(suspects: _Suspects, held: set[int]) -> bool:

@@ -32,12 +32,13 @@ from typing import Any
 import torch
 
 from .. import _backward, _graphs, _oom, _steps
-from .._callsite import Spot, accumulates, call_source, fills, getline
+from .._callsite import Spot, accumulates, accumulation_names, call_source, fills, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
 from .._report import before_summary, internal_error, is_internal, report, report_at, user_frame
 from .._rule import Rule
+from .._tracebacks import hide_own_frames
 
 CODE = "ST004"
 
@@ -82,6 +83,13 @@ def _message(frame: FrameType | Spot, numel: int) -> tuple[str, str]:
     elif isinstance(node, ast.Expr) and isinstance(node.value, ast.BinOp):  # acc = acc + x: the BinOp's text
         target, addend = ast.unparse(node.value.left), node.value.right
         op = f"= {target} +"
+    if (target is None or addend is None) and call_source(frame) is None:  # no columns (3.10): what the bytecode proves
+        target, shown, in_place = accumulation_names(frame)
+        if target is not None and shown is not None:
+            op = "+=" if in_place else f"= {target} +"
+            return (f"{CODE} {target} {op} {shown} adds a tensor that requires grad to a Python number: {target} "
+                    f"becomes a tensor that keeps the autograd graph of every step it sums, and memory grows every "
+                    f"step.", f"Write: {target} {op} {shown}{fix}")
     if target is None or addend is None:  # not known which accumulation of the line this is: no names
         return (f"{CODE} an accumulation at this line adds a tensor that requires grad to a Python number: the "
                 f"accumulator becomes a tensor that keeps the autograd graph of every step it sums, and memory grows "
@@ -132,20 +140,24 @@ class _RAdd(MethodPatch):
     def calling(wrapped: Any, name: str) -> Any:
         def radd(*args: Any, **kwargs: Any) -> Any:
             __tracebackhide__ = True  # noqa: F841
-            result = wrapped(*args, **kwargs)
             try:
-                if len(args) == 2:
-                    instance, other = args
-                    if instance.requires_grad and isinstance(other, _NUMBER) and not isinstance(other, bool):
-                        frame = _getframe(1)
-                        if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
-                            if _was_backwarded(instance):
-                                report(CODE, frame, lambda: " ".join(_message(frame, instance.numel())))
-                            else:
-                                _watch(frame, instance, result)
-            except Exception as exc:  # strict-mode findings pass through internal_error
-                internal_error(CODE, exc)
-            return result
+                result = wrapped(*args, **kwargs)
+                try:
+                    if len(args) == 2:
+                        instance, other = args
+                        if instance.requires_grad and isinstance(other, _NUMBER) and not isinstance(other, bool):
+                            frame = _getframe(1)
+                            if accumulates(frame) and not _is_compiling() and not is_internal(frame.f_code):
+                                if _was_backwarded(instance):
+                                    report(CODE, frame, lambda: " ".join(_message(frame, instance.numel())))
+                                else:
+                                    _watch(frame, instance, result)
+                except Exception as exc:  # strict-mode findings pass through internal_error
+                    internal_error(CODE, exc)
+                return result
+            except BaseException as exc:  # no frame of ours in the traceback of what passes through
+                hide_own_frames(exc)
+                raise
 
         return radd
 
