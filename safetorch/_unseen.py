@@ -16,11 +16,16 @@ has neither entry point (older than 2.1's ``skip_code``) skips nothing.
 from __future__ import annotations
 
 import sys
+import types
 from collections.abc import Callable, Iterator
 from types import CodeType, FunctionType
 from typing import Any
 
 _done: set[int] = set()
+
+#: Standard modules safetorch's checks run their own code through (ST021 reads a backward's caller with ``dis``, whose
+#: generators dynamo would count as frames it cannot trace): their frames run as plain Python too.
+_READ_WITH = frozenset({"dis"})
 
 
 def _skipper() -> Callable[[CodeType], None] | None:
@@ -59,7 +64,8 @@ def skip_own_frames() -> None:
     if skip is None:
         return
     for name, module in list(sys.modules.items()):
-        if not (name == "safetorch" or name.startswith("safetorch.")) or id(module) in _done:
+        if not (name in _READ_WITH or name == "safetorch" or name.startswith("safetorch.")) or id(module) in _done \
+                or not isinstance(module, types.ModuleType):  # None: an import that was stopped
             continue
         _done.add(id(module))
         for value in list(vars(module).values()):

@@ -79,10 +79,13 @@ def test_the_seeds_validation_loop_dies_plain_and_completes_under_safetorch_wher
     code, out, err = _seed("safetorch", limit)
     assert code == 0, err
     # The same numbers as the no_grad version, the finding at the forward's line, and a peak within one graph's
-    # and a few inputs' bytes (under 20 MB here) of no_grad's.
+    # and a few inputs' bytes (under 20 MB here) of no_grad's, besides the address space safetorch sets aside at
+    # install for the out-of-memory note (never touched: no resident byte, but counted in VmPeak).
+    from safetorch import _oom
+
     assert out.split(" peak")[0] == limited.split(" peak")[0]
     assert f"<string>:{_LINE}: EvalModeGradWarning: ST003 model (Sequential) is in eval mode" in err, err
-    assert _peak(out) - _peak(limited) < 20 << 20, (_peak(out), _peak(limited))
+    assert _peak(out) - _peak(limited) - _oom._RESERVE < 20 << 20, (_peak(out), _peak(limited))
 
 
 def test_a_decided_forward_imports_neither_dynamo_nor_sympy_and_the_programs_warning_prints_once() -> None:

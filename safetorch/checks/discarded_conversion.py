@@ -199,8 +199,12 @@ def crash_notes(exc: BaseException) -> list[str]:
 
     operands = _operands(exc)
 
+    from .._notebook import cell_name
+
+    shown = {(cell_name(f) or f, line): ref for (f, line), ref in list(_unconverted.items())}  # `Cell In[5]`
+
     def operand(site: Any) -> bool:
-        ref = _unconverted.get((site.filename, site.lineno))
+        ref = shown.get((site.filename, site.lineno))
         tensor = ref() if ref is not None else None
         return tensor is not None and id(tensor) in operands
 

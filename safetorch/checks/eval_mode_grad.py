@@ -451,6 +451,8 @@ def _act(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: di
     runs as written; so does a site whose output holds tensors in an object the act cannot change."""
     __tracebackhide__ = True  # noqa: F841
     try:
+        if not site.opaque and _sharded(module):
+            site.opaque = True
         direct = site.opaque or _eval_act.requires_grad(args, kwargs)
     except Exception as exc:
         internal_error(CODE, exc)
@@ -464,6 +466,17 @@ def _act(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: di
     except _eval_act.Opaque:
         site.opaque = True  # the forward ran under no_grad: run it again as written, and from now on
         return _module_call_impl(module, *args, **kwargs)
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    """An FSDP module: its forward under no_grad skips the hooks that reduce its gradients, so a backward that
+    recomputed it would train each rank on its own gradients. It runs as written (reported all the same)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return False
+    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None), getattr(fsdp, "FullyShardedDataParallel", None))
+                  if isinstance(k, type))
+    return bool(kinds) and isinstance(module, kinds)
 
 
 def _reached_again(ref: weakref.ref[_Site]) -> None:

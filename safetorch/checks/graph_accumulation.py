@@ -83,13 +83,17 @@ def _message(frame: FrameType | Spot, numel: int) -> tuple[str, str]:
     elif isinstance(node, ast.Expr) and isinstance(node.value, ast.BinOp):  # acc = acc + x: the BinOp's text
         target, addend = ast.unparse(node.value.left), node.value.right
         op = f"= {target} +"
-    if (target is None or addend is None) and call_source(frame) is None:  # no columns (3.10): what the bytecode proves
-        target, shown, in_place = accumulation_names(frame)
-        if target is not None and shown is not None:
-            op = "+=" if in_place else f"= {target} +"
-            return (f"{CODE} {target} {op} {shown} adds a tensor that requires grad to a Python number: {target} "
+    if call_source(frame) is None:  # no columns (3.10): what the bytecode proves names it, or nothing does
+        proved, shown, in_place = accumulation_names(frame)
+        if proved is not None and shown is not None:
+            op = "+=" if in_place else f"= {proved} +"
+            return (f"{CODE} {proved} {op} {shown} adds a tensor that requires grad to a Python number: {proved} "
                     f"becomes a tensor that keeps the autograd graph of every step it sums, and memory grows every "
-                    f"step.", f"Write: {target} {op} {shown}{fix}")
+                    f"step.", f"Write: {proved} {op} {shown}{fix}")
+        if proved is not None:  # the accumulator is proved, what it adds is not a plain name
+            return (f"{CODE} a tensor that requires grad is added to a Python number ({proved}): the sum becomes a "
+                    f"tensor that keeps the autograd graph of every step it adds, and memory grows every step.",
+                    f"Write: add the tensor's {fix} instead of the tensor")
     if target is None or addend is None:  # not known which accumulation of the line this is: no names
         return (f"{CODE} an accumulation at this line adds a tensor that requires grad to a Python number: the "
                 f"accumulator becomes a tensor that keeps the autograd graph of every step it sums, and memory grows "
