@@ -254,6 +254,8 @@ def accumulation_names(frame: FrameType) -> tuple[str | None, str | None, bool]:
     if idx < 0 or idx + 1 >= len(info.instructions):
         return None, None, True
     op, store = info.instructions[idx], info.instructions[idx + 1]
+    if op.opname not in ("INPLACE_ADD", "BINARY_ADD") and op.argrepr not in ("+=", "+"):
+        return None, None, True  # not an addition: nothing is proved
     target = _stored(store) if store.opname in _STORES else None
     added = _producer(info.instructions, idx, 0)
     addend = None
