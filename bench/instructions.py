@@ -44,11 +44,12 @@ _PROGRAM = textwrap.dedent("""\
     from bench.endtoend import make_epoch, make_gpt2_epoch, make_long_epoch
     torch.manual_seed(0)
     loop, steps, lines = os.environ["BENCH_LOOP"], int(os.environ["BENCH_STEPS"]), int(os.environ["BENCH_LINES"])
-    epochs = 2
+    epochs, warmup = 2, 2
     if loop.startswith("gpt2"):
         small = loop == "gpt2_small"
         model = models.GPT2() if small else models.GPT2(n_embd=96, vocab=1024)
         epoch, epochs = make_gpt2_epoch(model, torch.randint(0, 1024, (1, 64)), steps), 1
+        warmup = int(os.environ["BENCH_WARMUP"])
     elif lines:
         model, x = models.tiny_mlp(), torch.randn(1, 16)
         epoch = make_long_epoch(model, x, torch.randint(0, 10, (1,)), steps, lines)
@@ -61,7 +62,7 @@ _PROGRAM = textwrap.dedent("""\
             model, x = models.tiny_mlp(0.1 if "dropout" in loop else 0.0), torch.randn(1, 16)
         epoch = make_epoch(model, x, torch.randint(0, 10, (x.shape[0],)), steps, frozen_bn=loop == "frozen_bn",
                            worst_case=loop.endswith("_worst"))
-    for _ in range(epochs):
+    for _ in range(warmup):
         epoch()                                                   # warm-up: not counted
     gc.collect()
     functools.reduce(lambda acc, _: epoch(), range(epochs), None)  # counted: what runs inside functools.reduce
@@ -79,12 +80,24 @@ LOOPS = {"tiny_mlp": "cpu tiny MLP (batch 1)",
          "frozen_bn": "cpu ResNet-18-like, frozen BatchNorm (batch 4, 32x32)"}
 
 
+def _warmup(loop: str, steps: int, window: bool) -> int:
+    """Warm-up epochs before the counted one. The GPT-2 loops count one epoch of ``steps`` optimizer steps: past the
+    optimizer's first looked-at steps (`safetorch._steps.FIRST`, and the backward after them, where a look's listener
+    acts), which is every later step of a run but 2 in 1024 backwards (the steady state); or, ``window``, the
+    optimizer's steps ``steps + 1`` to ``2 * steps``, which are looked-at steps (steps 5 to 8 by default)."""
+    if not loop.startswith("gpt2"):
+        return 2
+    from safetorch._steps import FIRST
+
+    return 1 if window else -(-FIRST // steps) + 1
+
+
 def _launch(on: bool, steps: int, loop: str, seed: int, lines: int = 0,
-            device_path: bool = False) -> subprocess.Popen[str]:
+            device_path: bool = False, window: bool = False) -> subprocess.Popen[str]:
     # One intra-op thread: callgrind counts every thread, and OpenMP workers spin while they wait, a count that
     # depends on timing (the conv net's counts moved by a third between two runs with the default threads).
     env = {**os.environ, "BENCH_STEPS": str(steps), "BENCH_LOOP": loop, "PYTHONHASHSEED": str(seed),
-           "BENCH_LINES": str(lines),
+           "BENCH_LINES": str(lines), "BENCH_WARMUP": str(_warmup(loop, steps, window)),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("SAFETORCH_IGNORE", None)
@@ -108,21 +121,25 @@ def _collected(proc: subprocess.Popen[str]) -> int:
 
 
 def run(steps: int, loop: str = "tiny_mlp", seeds: int = 3, lines: int = 0,
-        device_path: bool = False) -> dict[str, Any]:
+        device_path: bool = False, window: bool = False) -> dict[str, Any]:
     """For each hash seed, both runs side by side (one per core); counts per training + validation step pair (per
     training step for the GPT-2 loops, one counted epoch)."""
     per_seed = []
     for seed in range(seeds):
-        procs = {"without": _launch(False, steps, loop, seed, lines, device_path),
-                 "with": _launch(True, steps, loop, seed, lines, device_path)}
+        procs = {"without": _launch(False, steps, loop, seed, lines, device_path, window),
+                 "with": _launch(True, steps, loop, seed, lines, device_path, window)}
         per_seed.append({k: _collected(p) for k, p in procs.items()})
     counts = {k: sum(c[k] for c in per_seed) for k in ("without", "with")}
     # per seed: two counted epochs of `steps` training and `steps` validation steps; GPT-2: one epoch of `steps`
     pairs = (steps if loop.startswith("gpt2") else 2 * steps) * seeds
     label = LOOPS[loop] + (f", a {lines}-line training function" if lines else "")
+    if loop.startswith("gpt2"):
+        first = _warmup(loop, steps, window) * steps + 1
+        label += f", optimizer steps {first}-{first + steps - 1} ({'looked-at steps' if window else 'steady state'})"
     return {
         "loop": label + (", accelerator path forced on CPU tensors" if device_path else ""),
         "device_path": device_path,
+        "looked_at_window": window,
         "training_function_lines": lines or None,
         "steps_per_epoch": steps,
         "hash_seeds": seeds,
@@ -148,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny MLP only: the training function padded to this many lines (source on disk)")
     parser.add_argument("--device-path", action="store_true",
                         help="CPU tensors take the accelerator path (what a GPU run executes), in both runs")
+    parser.add_argument("--window", action="store_true",
+                        help="GPT-2 loops: count the optimizer's looked-at steps 5-8 (what the first steps of a run, "
+                             "and 2 in every 1024 backwards after them, cost) instead of the steady state")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
     if shutil.which("valgrind") is None:
@@ -158,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout.strip()
     result = {"machine": bench_main.machine(), "valgrind": version, "date": datetime.date.today().isoformat(),
               **run(args.steps or _DEFAULT_STEPS.get(args.loop, 100), args.loop, args.seeds, args.lines,
-                    args.device_path)}
+                    args.device_path, args.window)}
     print(f"{result['loop']}: {result['per_step_pair']['without']} instructions per step (pair) "
           f"without safetorch, {result['per_step_pair']['with']} with it "
           f"(+{result['safetorch_per_step_pair']}): {result['overhead_pct']:+.2f}% "

@@ -1267,6 +1267,24 @@ def test_a_collecting_evaluation_keeps_no_activation_and_lets_go_of_its_inputs()
     assert alive == eval_mode_grad._eval_act.HELD  # the newest four (the watched graph holds its input's storage)
 
 
+def test_a_collecting_evaluation_of_large_batches_holds_only_the_newest_forwards_inputs() -> None:
+    """A validation loader's batches are not a policy's observations: of the forwards before the newest, none holds
+    an input past `HELD_BYTES`, so what the act keeps is no_grad's plus the watched graph and one batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 4)).eval()
+    batch_bytes = 640 * 512 * 4
+    assert batch_bytes > eval_mode_grad._eval_act.HELD_BYTES
+    inputs, outs = [], []
+    with findings():
+        for _ in range(6):
+            x = torch.randn(640, 512)
+            inputs.append(weakref.ref(x))
+            outs.append(model(x))
+            del x
+    alive = [r() is not None for r in inputs]
+    assert alive == [True, False, False, False, False, True]  # the watched graph's input, and the newest batch
+
+
 @dataclasses.dataclass
 class _Output(dict):  # type: ignore[type-arg]
     """Shaped as transformers' ModelOutput: a dict and a dataclass, fields also reachable as keys."""

@@ -8,9 +8,11 @@ reaches it after all recomputes the forward with grad from its inputs and hands 
 program would have had (eval mode is deterministic). Its inputs are held weakly: if the program dropped them, or
 changed them or the parameters in place since, the backward raises `SafetorchError` with what safetorch did and what
 to write, at the program's ``backward()`` line. While a site is not decided yet (the watched graph is alive: a
-rollout buffer, outputs kept for a later loss) its last `HELD` forwards hold their inputs strongly, so that such a
-backward recomputes them; once decided, its newest forward does (a backward right after a forward: a gradient
-diagnostic every few batches).
+rollout buffer, outputs kept for a later loss) its newest forward holds its inputs strongly, and so do up to
+``HELD - 1`` forwards before it while their inputs total at most `HELD_BYTES` (a policy's observations, not a
+validation loader's batches: what the act keeps stays no_grad's plus the watched graph and one forward's inputs), so
+that such a backward recomputes them; once decided, its newest forward does (a backward right after a forward: a
+gradient diagnostic every few batches).
 
 Why not ``torch.utils.checkpoint``: it keeps each forward's inputs and an autograd node per operation alive as long
 as its output (a collected evaluation kept about twice no_grad's heap bytes: ``bench/README.md``), and its first call
@@ -31,6 +33,7 @@ import torch
 from .._exceptions import SafetorchError
 
 HELD = 4  # forwards of a site not decided yet that hold their inputs, the newest
+HELD_BYTES = 1 << 20  # what the forwards before the newest may hold of their inputs, at most
 _BUDGET = 1_000  # objects looked at in a forward's inputs or output
 
 _call_impl = torch.nn.Module._call_impl
@@ -47,7 +50,8 @@ class Frame:
     """What a backward needs to recompute one forward: held by its `SafetorchEvaluation` node, so it lives as long as
     the output's graph. Never the output itself (a cycle through the node)."""
 
-    __slots__ = ("module", "args", "kwargs", "held", "versions", "params", "reached", "message", "__weakref__")
+    __slots__ = ("module", "args", "kwargs", "held", "nbytes", "versions", "params", "reached", "message",
+                 "__weakref__")
 
     def __init__(self, module: torch.nn.Module, args: Any, kwargs: Any, params: list[torch.Tensor],
                  reached: Callable[[], None], message: Callable[[str], str]) -> None:
@@ -56,6 +60,7 @@ class Frame:
         self.args = _weaken(args, self.versions)
         self.kwargs = _weaken(kwargs, self.versions)
         self.held: tuple[Any, Any] | None = None  # the inputs themselves, while the site is not decided
+        self.nbytes = 0  # what holding them keeps
         self.params = (len(params), _ids(params), sum(p._version for p in params))
         self.reached = reached
         self.message = message
@@ -138,19 +143,33 @@ def run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     finally:
         _set_grad(previous)
     params = [p for p in module.parameters() if p.requires_grad]
-    inputs = {id(t) for t in _tensors((args, kwargs))}
+    tensors = _tensors((args, kwargs))
+    inputs = {id(t) for t in tensors}
     found: list[torch.Tensor] = []
     _walk(output, inputs, found, None, [_BUDGET])
     if not found or not params:
         return output
     frame = Frame(module, args, kwargs, params, reached, message)
     frame.held = (args, kwargs)
+    frame.nbytes = sum(t.nbytes for t in tensors)
     if len(held) == held.maxlen:
         held[0].held = None
     held.append(frame)
+    _within(held)
     grafted = SafetorchEvaluation.apply(frame, len(found), *found, *params)
     replace = {id(t): g for t, g in zip(found, grafted, strict=True)}
     return _walk(output, inputs, None, replace, [_BUDGET])
+
+
+def _within(held: collections.deque[Frame]) -> None:
+    """The forwards before the newest let go of their inputs, oldest first, until they hold at most `HELD_BYTES`."""
+    total = sum(f.nbytes for f in list(held)[:-1] if f.held is not None)
+    for f in list(held)[:-1]:
+        if total <= HELD_BYTES:
+            return
+        if f.held is not None:
+            f.held = None
+            total -= f.nbytes
 
 
 def release(held: collections.deque[Frame]) -> None:

@@ -19,7 +19,8 @@ a site, and this is known before any site is looked up):
    (`_eval_act`): the program's numbers and structure, each tensor with a ``grad_fn``, keeping what no_grad keeps; a
    backward that reaches one recomputes it from its inputs (or, if they are gone, raises an explained
    `SafetorchError`), and the site runs as written from then on. While the watched graph lives (a rollout buffer,
-   outputs kept for a later loss) nothing is decided and the last `_eval_act.HELD` forwards hold their inputs; once
+   outputs kept for a later loss) nothing is decided and the newest forwards hold their inputs (the newest, and up
+   to `_eval_act.HELD` while the older ones' inputs are small: `_eval_act.HELD_BYTES`); once
    decided, the newest forward holds its inputs (a backward right after it, a diagnostic every few batches). The
    site is an evaluation (ST003) when the evidence arrives: the watched graph died unused (a weak reference's
    callback on the hook object its nodes hold; reported at the next forward at that line, which raises in strict
