@@ -335,7 +335,19 @@ def fills(code: CodeType, name: str) -> int | None:
             for store in instructions[i + 1: i + 3]:
                 if store.opname in (*_STORES, "STORE_ATTR") and _names(store, target, attribute):
                     return _line_at(code, ins.offset)
+        if (ins.opname == "BINARY_ADD" or (ins.opname == "BINARY_OP" and ins.argrepr == "+")) \
+                and any(store.opname in (*_STORES, "STORE_ATTR") and _names(store, target, attribute)
+                        for store in instructions[i + 1: i + 3]) \
+                and any(_mentions(load, target, attribute) for load in instructions[max(0, i - 12): i]):
+            return _line_at(code, ins.offset)  # ``total = total + x``
     return None
+
+
+def _mentions(ins: dis.Instruction, target: str, attribute: bool) -> bool:
+    """Whether ``ins`` loads the holder, also as one of a fused load's two names (3.13's ``LOAD_FAST_LOAD_FAST``)."""
+    if not attribute and ins.opname in _LOADS and isinstance(ins.argval, tuple):
+        return target in ins.argval
+    return ins.opname in (*_LOADS, "LOAD_ATTR") and _names(ins, target, attribute)
 
 
 def source_line(frame: FrameType) -> str:

@@ -618,7 +618,7 @@ def _fix_st003(tree: _Tree, f: Finding) -> Edit | str:
 def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
     import libcst as cst
 
-    match = re.search(r"Write: .*(\.item\(\)|\.detach\(\))\)?$", f.message.strip())  # `losses.append(x.item())`
+    match = re.search(r"Write: .*?(\.item\(\)|\.detach\(\))", f.message)  # `losses.append(x.item())`
     if match is None:
         return "the finding does not say what to write"
     method = match.group(1)[1:-2]
@@ -663,8 +663,8 @@ def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
             return node.with_changes(value=node.value.with_changes(args=args))
 
         return tree.edit(f, small, None, make_call)
-    target = _one_line(tree, small.target if isinstance(small, cst.AugAssign) else small.value.left)
-    named = re.match(r"ST004 (.+?) (?:\+=|= .+? \+) .+? adds a tensor", f.message)
+    target = _one_line(tree, small.target if isinstance(small, cst.AugAssign) else small.targets[0].target)
+    named = re.match(r"ST004 `?(.+?) (?:\+=|= .+? \+) .+? adds a tensor", f.message)
     if named is not None and named.group(1) != target:
         return f"the finding's accumulator `{named.group(1)}` is not the one at that line (`{target}`)"
     if isinstance(small, cst.AugAssign):
@@ -672,9 +672,14 @@ def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
             return node.with_changes(value=called(node.value))
 
         return tree.edit(f, small, None, make)
+    reads = [re.search(rf"(?<![\w.]){re.escape(target)}(?!\w)", _one_line(tree, side)) is not None
+             for side in (small.value.left, small.value.right)]
+    if reads[0] == reads[1]:
+        return f"`{target}` is read on {'both sides' if reads[0] else 'neither side'} of the `+`: fix it by hand"
+    side = "right" if reads[0] else "left"  # the value added to the sum: ``total = total + loss``
 
     def make_bin(node: Any) -> Any:
-        return node.with_changes(value=node.value.with_changes(right=called(node.value.right)))
+        return node.with_changes(value=node.value.with_changes(**{side: called(getattr(node.value, side))}))
 
     return tree.edit(f, small, None, make_bin)
 

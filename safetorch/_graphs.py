@@ -329,9 +329,18 @@ def statement_of(line: str, name: str) -> str:
     return normalized(text)
 
 
+def _addend(node: ast.Assign, value: ast.BinOp) -> ast.expr:
+    """Of ``target = a + b``, the side that does not read the target (the sum itself when both or neither do)."""
+    target = ast.unparse(node.targets[0])
+    left, right = (target in {ast.unparse(n) for n in ast.walk(side)} for side in (value.left, value.right))
+    if left != right:
+        return value.right if left else value.left
+    return value
+
+
 def fixed(statement: str, suffix: str) -> str:
     """The line with ``suffix`` (``.item()``, ``.detach()``) on the value it stores: ``losses.append(loss.item())``,
-    ``total += loss.detach()``, ``d[k] = loss.item()``. A line that is none of these is named with a generic fix."""
+    ``total += loss.detach()``, ``total = total + loss.item()``, ``d[k] = loss.item()``. A line that is none of these is named with a generic fix."""
     try:
         node: Any = ast.parse(statement, mode="exec").body[0]
     except (SyntaxError, IndexError):
@@ -341,6 +350,8 @@ def fixed(statement: str, suffix: str) -> str:
         value = node.value.args[-1]
     elif isinstance(node, (ast.AugAssign, ast.Assign)):
         value = node.value
+        if isinstance(node, ast.Assign) and isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+            value = _addend(node, value)  # ``total = total + loss``: the value added, not the sum
     if not isinstance(value, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.BinOp, ast.UnaryOp)):
         return f"store the value{suffix} (a number, or a tensor without a graph)"
     start, end = value.col_offset, value.end_col_offset

@@ -220,6 +220,28 @@ def test_st004_a_list_of_losses_keeps_their_numbers(tmp_path: Path) -> None:
     assert "ST004" not in _rerun(tmp_path, new)
 
 
+@pytest.mark.parametrize(("sums", "fixed"), [("total += loss", "total += loss.item()"),
+                                              ("total = total + loss", "total = total + loss.item()"),
+                                              ("total = loss + total", "total = loss.item() + total")])
+def test_st004_a_tensor_accumulator_is_fixed_in_place_or_rebound(tmp_path: Path, sums: str, fixed: str) -> None:
+    program = f"""\
+        import torch
+        w = torch.ones(3, requires_grad=True)
+        opt = torch.optim.SGD([w], lr=0.1)
+        total = torch.zeros(())
+        for _ in range(3):
+            loss = (w * 2).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            {sums}  # the running sum
+        print(float(total))
+        """
+    source, new, _ = _fixed(tmp_path, program, "ST004")
+    assert new == source.replace(f"{sums}  # the running sum", f"{fixed}  # the running sum")
+    assert "ST004" not in _rerun(tmp_path, new)
+
+
 SKIPPED = {
     "ST001": ("""\
         import torch

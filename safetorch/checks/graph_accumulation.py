@@ -318,7 +318,8 @@ _SEEN = 1024
 def _look(optimizer: Any, look: int, caller: FrameType, more: bool) -> None:
     """A looked-at step: the names the ``step()`` line and its callers see that hold tensors carrying a graph. One
     that a later looked-at step finds grown, with what the earlier one saw still in it — a list or dict with more
-    items and the same first one, a tensor summed into again with no backward through it — keeps graphs across
+    items and the same first one, a tensor summed into again (in place, or a new sum whose graph holds the one seen)
+    with no backward through it — keeps graphs across
     steps: reported at the line that fills it. A rollout backwarded later and cleared, a list made anew each step,
     a loss rebound each step: each look sees another object, or another first item."""
     __tracebackhide__ = True  # noqa: F841
@@ -360,14 +361,34 @@ def _summed(t: torch.Tensor) -> bool:
 
 def _grew(seen: _Seen, holder: _graphs.Holder) -> bool:
     value = holder.value
-    if id(value) != seen.ident or seen.first is None:
+    if seen.first is None:
         return False
     if isinstance(value, torch.Tensor):
         marker = seen.marker() if seen.marker is not None else None
-        return (seen.first() is value and marker is not None and not marker.consumed
-                and value._version != seen.version)
+        if marker is None or marker.consumed:
+            return False
+        if seen.first() is value:  # summed in place: ``total += loss``
+            return value._version != seen.version
+        return _summed(value) and _reaches(value, marker)  # ``total = total + loss``: a new sum over the old one
+    if id(value) != seen.ident:
+        return False
     first = seen.first()
     return len(value) > seen.length and first is not None and any(t is first for t in holder.tensors[:8])
+
+
+def _reaches(t: torch.Tensor, marker: _graphs.Marker, limit: int = 256) -> bool:
+    """Whether the graph of ``t`` holds the node ``marker`` marks: the sum a looked-at step saw, under a new one."""
+    queue = deque([t.grad_fn])
+    seen: set[int] = set()
+    while queue and len(seen) < limit:
+        node = queue.popleft()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if _graphs.marker_of(node) is marker:
+            return True
+        queue.extend(child for child, _ in node.next_functions)
+    return False
 
 
 def _report_holder(holder: _graphs.Holder, frames: list[FrameType]) -> None:
