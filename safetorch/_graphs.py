@@ -340,7 +340,8 @@ def _addend(node: ast.Assign, value: ast.BinOp) -> ast.expr:
 
 def fixed(statement: str, suffix: str) -> str:
     """The line with ``suffix`` (``.item()``, ``.detach()``) on the value it stores: ``losses.append(loss.item())``,
-    ``total += loss.detach()``, ``total = total + loss.item()``, ``d[k] = loss.item()``. A line that is none of these is named with a generic fix."""
+    ``total += loss.detach()``, ``total = total + loss.item()``, ``d[k] = loss.item()``. A line that is none of these
+    is named with a generic fix."""
     try:
         node: Any = ast.parse(statement, mode="exec").body[0]
     except (SyntaxError, IndexError):

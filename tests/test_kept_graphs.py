@@ -383,7 +383,8 @@ def rebound_sums_within_a_step() -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("program", [regularised, rebound_sums_within_a_step, parallel_wavegan, generator_loss_summed_before_the_critics_backward,
+@pytest.mark.parametrize("program", [regularised, rebound_sums_within_a_step, parallel_wavegan,
+                                     generator_loss_summed_before_the_critics_backward,
                                      reinforce, gradient_penalty, retained, metrics_without_grad])
 def test_look_alikes_are_silent_with_the_same_numbers(program) -> None:  # type: ignore[no-untyped-def]
     got, same = on_and_off(program)
