@@ -1,6 +1,6 @@
 """The one replacement of ``torch.nn._reduction.get_enum`` that checks share (ST002 converts the legacy
 ``'elementwise_mean'``, ST009 reads the input of ``cross_entropy``, ``nll_loss`` and
-``binary_cross_entropy_with_logits``).
+``binary_cross_entropy_with_logits``; ST004 looks at what the program keeps while it computes losses).
 
 Design rules: every functional loss of torch calls ``get_enum(reduction)`` from its own frame, so this single
 choke point sees every loss with its arguments one frame up, and no wrapper frame stands between the user and a
@@ -40,6 +40,8 @@ Look = Callable[[FrameType], None]
 
 _legacy: dict[str, Legacy] = {}
 _looks: dict[CodeType, Look] = {}
+#: Looks at every loss, whichever function computes it (ST004: what the program keeps while it computes losses).
+_every: dict[str, Look] = {}
 _owners: dict[str, list[CodeType]] = {}
 _is_compiling = is_compiling
 _is_grad_enabled = torch.is_grad_enabled
@@ -74,7 +76,7 @@ def _dispatch(original: Any) -> Any:
     # torch's own answers for the three valid names, asked once: a dict lookup costs less than calling torch's
     # function; anything else ('elementwise_mean', a typo) still goes to torch, for its warning or its error.
     known = {name: original(name) for name in ("none", "mean", "sum")}
-    legacies, looks, looking, getframe = _legacy, _looks, _looking, sys._getframe
+    legacies, looks, every, looking, getframe = _legacy, _looks, _every, _looking, sys._getframe
     following, grad_enabled, compiling, hide = _next, _is_grad_enabled, _is_compiling, hide_own_frames
 
     def get_enum(reduction: str) -> int:
@@ -84,10 +86,12 @@ def _dispatch(original: Any) -> Any:
                 for legacy in list(legacies.values()):
                     legacy()
                 reduction = "mean"
-            if following(looking[0]) and looks and grad_enabled() and not compiling():
+            if following(looking[0]) and (looks or every) and grad_enabled() and not compiling():
                 caller = getframe(1)
                 look = looks.get(caller.f_code)
                 if look is not None:
+                    look(caller)
+                for look in list(every.values()):
                     look(caller)
             if reduction in known:
                 return known[reduction]
@@ -105,15 +109,18 @@ def reset() -> None:
 
 
 def _update() -> None:
-    if _legacy or _looks:
+    if _legacy or _looks or _every:
         registry.replace(_reduction, "get_enum", _dispatch, GROUP)
     else:
         registry.restore(GROUP)
 
 
-def listen(code: str, legacy: Legacy | None = None, looks: dict[CodeType, Look] | None = None) -> None:
+def listen(code: str, legacy: Legacy | None = None, looks: dict[CodeType, Look] | None = None,
+           every: Look | None = None) -> None:
     if legacy is not None:
         _legacy[code] = legacy
+    if every is not None:
+        _every[code] = every
     for loss_code, look in (looks or {}).items():
         _looks[loss_code] = look
         _owners.setdefault(code, []).append(loss_code)
@@ -122,6 +129,7 @@ def listen(code: str, legacy: Legacy | None = None, looks: dict[CodeType, Look] 
 
 def unlisten(code: str) -> None:
     _legacy.pop(code, None)
+    _every.pop(code, None)
     for loss_code in _owners.pop(code, []):
         _looks.pop(loss_code, None)
     _update()

@@ -112,3 +112,37 @@ def test_importing_safetorch_imports_nothing_of_dynamo() -> None:
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+_FROM_NUMPY = """\
+import os, numpy as np, torch
+if os.environ["ORDER"] == "dynamo-first":
+    import torch._dynamo
+if os.environ["STATE"] == "on":
+    import safetorch
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+backend = CompileCounter()
+
+@torch.compile(backend=backend)
+def f(a):
+    return torch.from_numpy(a) * 2 + torch.as_tensor(a)
+
+print(f(np.ones(3, dtype=np.float32)).tolist(), backend.frame_count, backend.op_count, dict(counters["graph_break"]))
+"""
+
+
+@pytest.mark.slow  # a compile per process, four processes
+@pytest.mark.parametrize("order", ["dynamo-first", "safetorch-first"])
+def test_a_compiled_function_converting_an_array_compiles_as_without_safetorch(order: str) -> None:
+    """ST022 replaces ``torch.from_numpy``/``torch.as_tensor``: a compiled function that calls them makes the same
+    graph, with no break, whether dynamo was imported before safetorch (its table of torch functions then holds
+    torch's builtins) or after."""
+    from .conftest import run_python
+
+    got = {}
+    for state in ("on", "off"):
+        proc = run_python(_FROM_NUMPY, {"ORDER": order, "STATE": state})
+        assert proc.returncode == 0, proc.stderr
+        got[state] = proc.stdout.strip().splitlines()[-1]
+    assert got["on"] == got["off"] == "[3.0, 3.0, 3.0] 1 4 {}"

@@ -518,7 +518,8 @@ def test_a_followed_model_pickles_copies_saves_scripts_traces_and_compiles_as_wi
     assert got == []
     model.eval()
     expected = model(x)
-    assert all(torch.allclose(m.eval()(x), expected) for m in (scripted, graph))  # a trace keeps train mode's path
+    # a trace keeps train mode's path; the copies evaluated with autograd on are ST003's matter, not this test's
+    assert all(torch.allclose(m.eval()(x), expected) for m in (scripted, graph))  # safetorch: ignore[ST003]
     assert traced(x).shape == expected.shape
     model.train()
     torch._dynamo.reset()

@@ -171,6 +171,75 @@ def test_a_sum_in_a_loop_with_no_backward_is_found_when_training_goes_on() -> No
     assert val_loss.grad_fn is not None  # only reported
 
 
+def collect(model: torch.nn.Module, criterion: Any, batches: int) -> float:
+    """A validation in training mode without no_grad, on a model with neither dropout nor BatchNorm: each batch's
+    loss kept in a list until the mean is taken."""
+    losses = []
+    for _ in range(batches):
+        losses.append(criterion(model(X), torch.zeros(64, 1)))
+    return float(sum(losses) / len(losses))
+
+
+COLLECT_LINE = collect.__code__.co_firstlineno + 5
+
+
+def test_a_list_an_evaluation_fills_between_steps_is_found_when_its_graphs_die_unused() -> None:
+    model, opt = net()
+    criterion = torch.nn.MSELoss()
+    with findings() as got:
+        step(model, opt)
+        collect(model, criterion, 6)
+        assert got == []  # its graphs died unused as the function returned: noted, reported at the next backward
+        step(model, opt)
+    assert where(got) == [(GraphAccumulationWarning, __file__, COLLECT_LINE)]
+    message = str(got[0].message)
+    assert message.startswith("ST004 `losses.append(criterion(model(X), torch.zeros(64, 1)))` keeps the autograd "
+                              "graph of every tensor it stores: `losses` (list, ")
+    assert "items when seen) holds" in message and "graphs or more across iterations" in message
+    assert message.endswith("Write: losses.append(criterion(model(X), torch.zeros(64, 1)).item()) "
+                            "(safetorch explain ST004)")
+
+
+def test_an_evaluation_at_the_end_of_a_program_is_found_at_exit(tmp_path: Any) -> None:
+    script = tmp_path / "evaluate.py"
+    script.write_text(
+        "import torch\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))\n"
+        "outputs = []\n"
+        "for _ in range(8):\n"
+        "    x = torch.randn(4, 16)\n"
+        "    out = model(x)\n"
+        "    outputs.append(out)\n"
+        "    print(float(torch.nn.functional.mse_loss(out, torch.zeros(4, 1))))\n")
+    result = run_runner([str(script)], cwd=str(tmp_path))
+    assert result.returncode == 1, result.stderr
+    assert re.search(rf"^{re.escape(str(script))}:8: GraphAccumulationWarning: ST004 `outputs.append\(out\)` keeps "
+                     r"the autograd graph of every tensor it stores: `outputs` \(list, \d+ items when seen\) holds \d+ "
+                     r"graphs or more across iterations, that no backward has consumed\. .* "
+                     r"Write: outputs\.append\(out\.detach\(\)\)", result.stderr, re.M), result.stderr
+
+
+def rollout_with_a_loss_per_step() -> list[torch.Tensor]:
+    """A rollout computing a loss per step, kept in a list and backwarded at the episode's end: consumed."""
+    model, opt = net()
+    out = []
+    for _ in range(3):
+        terms = []
+        for _ in range(6):
+            terms.append(torch.nn.functional.mse_loss(model(X), torch.zeros(64, 1)))
+        opt.zero_grad()
+        torch.stack(terms).sum().backward()
+        opt.step()
+        out.append(torch.stack(terms).detach())
+    return out
+
+
+def test_a_rollout_whose_losses_are_backwarded_later_is_silent() -> None:
+    got, same = on_and_off(rollout_with_a_loss_per_step)
+    assert [str(w.message) for w in got] == [] and same
+
+
 def test_a_sum_kept_in_scope_through_training_is_found() -> None:
     model, opt = net()
     with findings() as got:

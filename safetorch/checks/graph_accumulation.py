@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .. import _backward, _graphs, _oom, _steps
+from .. import _backward, _graphs, _losses, _oom, _steps
 from .._callsite import Spot, accumulates, accumulation_names, call_source, fills, getline
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
@@ -194,6 +194,8 @@ def _before_backward(tensors: Any) -> None:
             for key, watch in list(_watches.items()):
                 if _decide(watch, _backward.count):
                     del _watches[key]
+        if _due:
+            _flush()
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
@@ -281,8 +283,10 @@ def _memory(acc: _graphs.Account, many: bool = False) -> str:
 
 
 def _at_exit() -> None:
-    """At exit: a sum made in a loop with no backward at all (an evaluation script without ``no_grad``)."""
+    """At exit: a sum made in a loop with no backward at all (an evaluation script without ``no_grad``), and the
+    containers an evaluation filled (`_loss_look`)."""
     try:
+        _flush(at_exit=True)
         for key, watch in list(_watches.items()):
             marker = watch.marker()
             result = watch.result()
@@ -391,6 +395,99 @@ def _reaches(t: torch.Tensor, marker: _graphs.Marker, limit: int = 256) -> bool:
     return False
 
 
+# --- containers filled while losses are computed with no backward (an evaluation without no_grad) -----------------
+
+
+@dataclass
+class _Kept:
+    """A container a looked-at loss call found grown since the one before, with no backward between: the marker on
+    its first graph tells whether a backward consumed it (a rollout) by the time that graph dies (an evaluation's
+    list, gone when its function returns) or the program exits."""
+
+    key: tuple[str, int, str, str]
+    marker: _graphs.Marker
+    where: tuple[str, int, dict[str, Any]]
+    message: str
+    death: weakref.ref[_Death] | None = None
+
+
+class _Death:
+    """Put in the node's metadata beside its marker: its weak reference's callback tells when the node is gone."""
+
+    __slots__ = ("__weakref__",)
+
+
+_loss_seen: dict[tuple[str, int, str, str], _Seen] = {}
+_kept: dict[tuple[str, int, str, str], _Kept] = {}
+_due: list[_Kept] = []
+_loss_backwards = [-1]  # the backward count at the last looked-at loss call
+
+
+def _loss_look(frame: FrameType) -> None:
+    """A looked-at loss call with autograd on (`safetorch._losses`: the first 32, then one in 64). A list or dict
+    that the names of the program's frames show grown since the previous look, its first graph still in it and no
+    backward between, is an evaluation's (or a rollout's): decided when its first graph dies or at exit."""
+    __tracebackhide__ = True  # noqa: F841
+    try:
+        _flush()
+        if _backward.count != _loss_backwards[0]:
+            _loss_backwards[0] = _backward.count
+            _loss_seen.clear()  # a backward came between: training, which the looked-at steps follow
+        frames = _frames(user_frame(frame))
+        for holder in _graphs.holders(frames):
+            if isinstance(holder.value, torch.Tensor):
+                continue  # sums: a number's is followed from its first addition, a tensor's at the looked-at steps
+            code = holder.frame.f_code
+            key = (code.co_filename, code.co_firstlineno, code.co_name, holder.name)
+            seen = _loss_seen.get(key)
+            if seen is not None and key not in _kept and _grew(seen, holder):
+                _keep(key, holder, frames)
+            if len(_loss_seen) > _SEEN:
+                _loss_seen.clear()
+            _loss_seen[key] = _sight(holder)
+    except Exception as exc:  # strict-mode findings pass through internal_error
+        internal_error(CODE, exc)
+
+
+def _keep(key: tuple[str, int, str, str], holder: _graphs.Holder, frames: list[FrameType]) -> None:
+    node = holder.tensors[0].grad_fn
+    marker = _graphs.mark(holder.tensors[0])
+    if node is None or marker is None or marker.consumed:
+        return
+    where = _filled(holder, frames)
+    statement = _graphs.statement_of(getline(where[0], where[1], where[2]), holder.name)
+    message = holder_message(holder, statement, _graphs.account(holder.tensors))
+    message = message.replace(f"{len(holder.value)} items)", f"{len(holder.value)} items when seen)", 1).replace(
+        f"holds {holder.graphs} graphs across steps", f"holds {holder.graphs} graphs or more across iterations", 1)
+    kept = _Kept(key, marker, where, message)
+    death = _Death()
+    node.metadata[_graphs.TAG + ".death"] = death
+    kept.death = weakref.ref(death, lambda _, kept=kept: _died(kept))
+    _kept[key] = kept
+
+
+def _died(kept: _Kept) -> None:
+    """The container's first graph is gone (a weak reference's callback: only noted here)."""
+    if _kept.get(kept.key) is kept:
+        del _kept[kept.key]
+        if not kept.marker.consumed:
+            _due.append(kept)
+
+
+def _flush(at_exit: bool = False) -> None:
+    """Report the containers whose first graph died unused (at a loss call, a backward, exit), and at exit those
+    still alive that no backward consumed."""
+    if at_exit:
+        for kept in list(_kept.values()):
+            if not kept.marker.consumed:
+                _due.append(kept)
+        _kept.clear()
+    while _due:
+        kept = _due.pop(0)
+        filename, lineno, module_globals = kept.where
+        report_at(CODE, filename, lineno, module_globals, lambda kept=kept: kept.message)
+
+
 def _report_holder(holder: _graphs.Holder, frames: list[FrameType]) -> None:
     where = _filled(holder, frames)
     acc = _graphs.account(holder.tensors)
@@ -433,6 +530,7 @@ def install(registry: Registry) -> None:
     registry.method(torch.Tensor, "__radd__", _RAdd, CODE)
     _backward.listen(CODE, before=_before_backward)
     _steps.listen(CODE, _look)
+    _losses.listen(CODE, every=_loss_look)
     before_summary(CODE, _at_exit)
     _oom.reserve()
 
@@ -440,8 +538,13 @@ def install(registry: Registry) -> None:
 def uninstall() -> None:
     _backward.unlisten(CODE)
     _steps.unlisten(CODE)
+    _losses.unlisten(CODE)
     before_summary(CODE, None)
     _backwarded.clear()
     _watches.clear()
     _seen.clear()
+    _loss_seen.clear()
+    _kept.clear()
+    _due.clear()
+    _loss_backwards[0] = -1
     _oom.release()

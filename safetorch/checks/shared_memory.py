@@ -62,6 +62,7 @@ _WHOLE = 256
 _SAMPLES = 16
 _is_compiling = is_compiling
 _getframe = sys._getframe
+_as_tensor = torch._C._VariableFunctions.as_tensor  # torch's builtin, whatever ``torch.as_tensor`` is now
 
 
 #: Conversions watched per line (a sample of the bytes, a weak reference, a ``detach()``): a reused buffer shows by the
@@ -151,9 +152,12 @@ def _converting(original: Any, api: str) -> Any:
 
     def convert(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
-        result = original(*args, **kwargs)
         if _is_compiling():
-            return result
+            # Dynamo inlines this function when it was imported before safetorch (its table of torch functions then
+            # holds torch's builtins, not this one): torch's own ``as_tensor`` is in that table, and is what dynamo
+            # itself puts in the graph for ``from_numpy`` (the same tensor, sharing the array's memory).
+            return _as_tensor(*args, **kwargs)
+        result = original(*args, **kwargs)
         try:
             a = args[0] if args else kwargs.get("data", kwargs.get("ndarray"))
             np = sys.modules.get("numpy")
