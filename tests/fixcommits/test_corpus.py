@@ -125,7 +125,9 @@ def test_the_fixed_program_gets_no_finding(case: str, tmp_path: Any) -> None:
 
 
 #: Rules without a case yet, and why: for ST018 no public fix commit was found whose shape runs in one CPU process
-#: (its wrappers that restore parameters after a step are FSDP's and apex's).
+#: (its wrappers that restore parameters after a step are FSDP's and apex's; accelerate#2665, FSDP with
+#: use_orig_params=False wrapped after the optimizer was built, leaves the optimizer's parameters without gradients
+#: when run as a one-rank job: ST010's finding, not ST018's).
 PENDING = {"ST018"}
 
 
