@@ -424,15 +424,18 @@ _loss_backwards = [-1]  # the backward count at the last looked-at loss call
 
 
 def _loss_look(frame: FrameType) -> None:
-    """A looked-at loss call with autograd on (`safetorch._losses`: the first 32, then one in 64). A list or dict
-    that the names of the program's frames show grown since the previous look, its first graph still in it and no
-    backward between, is an evaluation's (or a rollout's): decided when its first graph dies or at exit."""
+    """A looked-at loss call with autograd on (`safetorch._losses`: the first 32, then one in 64). The first after a
+    backward only notes the backward count (a training step's look reads nothing); a later one, with no backward
+    since, reads the names of the program's frames: a list or dict grown since the previous look, its first graph
+    still in it, is an evaluation's (or a rollout's): decided when its first graph dies or at exit."""
     __tracebackhide__ = True  # noqa: F841
     try:
-        _flush()
+        if _due:
+            _flush()
         if _backward.count != _loss_backwards[0]:
             _loss_backwards[0] = _backward.count
             _loss_seen.clear()  # a backward came between: training, which the looked-at steps follow
+            return  # nothing read: a training step's look costs one comparison
         frames = _frames(user_frame(frame))
         for holder in _graphs.holders(frames):
             if isinstance(holder.value, torch.Tensor):
