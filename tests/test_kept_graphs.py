@@ -598,3 +598,39 @@ def test_a_sum_in_a_program_with_no_backward_at_all_is_found_at_exit(tmp_path: A
     assert (f"{script}:{line}: GraphAccumulationWarning: ST004 total += criterion(model(x), y) adds a tensor that "
             "requires grad to a Python number") in result.stderr
     assert f"Its graph holds {kept / 1000:.1f} kB of saved tensors" in result.stderr
+
+
+CUDA_PROGRAM = """\
+import torch
+
+torch.manual_seed(0)
+torch.cuda.set_per_process_memory_fraction(2 * 2**30 / torch.cuda.get_device_properties(0).total_memory)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10)).cuda()
+criterion = torch.nn.CrossEntropyLoss()
+x, y = torch.randn(1024, 1024, device="cuda"), torch.randint(0, 10, (1024,), device="cuda")
+
+
+def validate():
+    losses = []
+    for step in range(100000):
+        losses.append(criterion(model(x), y))
+    return losses
+
+
+validate()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu.sh runs it)")
+def test_a_cuda_out_of_memory_note_names_the_holder_and_memory_allocated(tmp_path: Any) -> None:
+    """The seed's error itself: ``torch.OutOfMemoryError`` on a GPU, capped at 2 GiB, carries the note with the line,
+    the holder and what the allocator holds."""
+    script = tmp_path / "validate_cuda.py"
+    script.write_text(CUDA_PROGRAM)
+    result = run_runner([str(script)], cwd=str(tmp_path))
+    assert result.returncode == 1
+    assert "torch.OutOfMemoryError" in result.stderr or "CUDA out of memory" in result.stderr
+    line = CUDA_PROGRAM.splitlines().index("        losses.append(criterion(model(x), y))") + 1
+    assert re.search(rf"^  `losses` \(list, \d+ items\), filled at {re.escape(str(script))}:{line} ", result.stderr,
+                     re.M), result.stderr
+    assert re.search(r"^  torch\.cuda\.memory_allocated\(\) = [\d.]+ [kMG]B\.$", result.stderr, re.M), result.stderr
