@@ -129,6 +129,10 @@ def scan(code: CodeType) -> list[tuple[int, str]]:
         elif ins.opname in _CALLS and ins.arg:
             start = i - 1 if instructions[i - 1].opname == "PRECALL" else i
             callee = producer_index(instructions, start, ins.arg)
+            if callee is not None and instructions[callee].opname == "PUSH_NULL":
+                # 3.13+: a module's function (`torch.eq`, the module imported in this file) is a plain attribute
+                # load with the NULL pushed after it, below the arguments, not before it as on 3.11 and 3.12
+                callee = producer_index(instructions, start, ins.arg + 1)
             if callee is not None and instructions[callee].opname in _LOAD_ATTR and \
                     _name_of(instructions[callee]) in _EQUALITIES and \
                     any(_is_nan(instructions, producer_index(instructions, start, d)) for d in range(ins.arg)):
