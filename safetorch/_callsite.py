@@ -397,10 +397,40 @@ def span_source(filename: str, where: tuple[int, int, int, int], module_globals:
 
 
 def call_source(frame: FrameType) -> str | None:
-    """The source text of the expression the frame is evaluating at ``f_lasti`` (3.11+), else None."""
+    """The source text of the expression the frame is evaluating at ``f_lasti`` (3.11+); on 3.10, which has no
+    columns, the one call on the frame's line to the function or method the instruction calls; else None."""
     code = frame.f_code
     where = span(code, frame.f_lasti, frame.f_globals)
-    return span_source(code.co_filename, where, frame.f_globals) if where is not None else None
+    if where is not None:
+        return span_source(code.co_filename, where, frame.f_globals)
+    if sys.version_info >= (3, 11):
+        return None
+    return _only_call_on_line(frame)
+
+
+_CALLS_310 = {"CALL_FUNCTION": 0, "CALL_METHOD": 0, "CALL_FUNCTION_KW": 1}  # the stack items above the arguments
+
+
+def _only_call_on_line(frame: FrameType) -> str | None:
+    """3.10: the source of the only call on the line whose callee has the name the bytecode calls (``model(x)``,
+    ``ddp.module.double()``); None where there is none or more than one."""
+    try:
+        instructions = _info(frame.f_code).instructions
+        index = next((i for i, ins in enumerate(instructions) if ins.offset == frame.f_lasti), None)
+        if index is None or instructions[index].opname not in _CALLS_310:
+            return None
+        ins = instructions[index]
+        callee = producer_index(instructions, index, (ins.arg or 0) + _CALLS_310[ins.opname])
+        if callee is None or not isinstance(instructions[callee].argval, str):
+            return None
+        name = instructions[callee].argval
+        line = getline(frame.f_code.co_filename, frame.f_lineno, frame.f_globals).strip()
+        found = [node for node in ast.walk(ast.parse(line)) if isinstance(node, ast.Call) and (
+            (isinstance(node.func, ast.Name) and node.func.id == name)
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == name))]
+        return ast.get_source_segment(line, found[0]) if len(found) == 1 else None
+    except (SyntaxError, ValueError):
+        return None
 
 
 def _receiver_start(code: CodeType, line: int, col: int, module_globals: dict[str, Any]) -> tuple[int, int]:

@@ -167,7 +167,8 @@ def test_a_sum_in_a_loop_with_no_backward_is_found_when_training_goes_on() -> No
     assert "`val_loss` (a tensor) holds it now." in message
     kept = 5 * (64 * 256 + 64) * 4 + X.numel() * 4  # per forward its ReLU output and pow's input; the shared input
     assert f"Its graph holds {kept / 1000:.1f} kB of saved tensors" in message
-    assert message.endswith("Write: total += model(X).pow(2).mean().item() (safetorch explain ST004)")
+    if sys.version_info >= (3, 11):  # 3.10 has no columns: its message names only what the bytecode proves
+        assert message.endswith("Write: total += model(X).pow(2).mean().item() (safetorch explain ST004)")
     assert val_loss.grad_fn is not None  # only reported
 
 
@@ -550,6 +551,7 @@ SHAPES = {
 SLOW = [pytest.param(s, marks=pytest.mark.slow) for s in sorted(SHAPES) if s != "list"]  # a subprocess each, twice
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the note is a PEP 678 exception note (3.11+)")
 @pytest.mark.parametrize("shape", ["list", *SLOW])
 def test_out_of_memory_carries_the_note_naming_the_line_and_the_holder(shape: str, tmp_path: Any) -> None:
     start, fill, name, holder, fix = SHAPES[shape]
@@ -595,8 +597,10 @@ def test_a_sum_in_a_program_with_no_backward_at_all_is_found_at_exit(tmp_path: A
     assert result.returncode == 1 and result.stdout == plain.stdout  # the same number printed; 1: a finding
     line = EVALUATION_SCRIPT.splitlines().index("    total += criterion(model(x), y)") + 1
     kept = 5 * (64 * 256 * 4 * 2 + 64 * 10 * 4 + 64 * 8)  # per batch: x, ReLU and log-softmax outputs, y
-    assert (f"{script}:{line}: GraphAccumulationWarning: ST004 total += criterion(model(x), y) adds a tensor that "
-            "requires grad to a Python number") in result.stderr
+    assert f"{script}:{line}: GraphAccumulationWarning: ST004 " in result.stderr
+    if sys.version_info >= (3, 11):  # 3.10 has no columns: its message names only what the bytecode proves
+        assert (f"{script}:{line}: GraphAccumulationWarning: ST004 total += criterion(model(x), y) adds a tensor "
+                "that requires grad to a Python number") in result.stderr
     assert f"Its graph holds {kept / 1000:.1f} kB of saved tensors" in result.stderr
 
 
@@ -621,7 +625,8 @@ validate()
 """
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu.sh runs it)")
+@pytest.mark.skipif(not torch.cuda.is_available() or sys.version_info < (3, 11),
+                    reason="needs a CUDA device (bench/gpu.sh runs it); the note is a PEP 678 note (3.11+)")
 def test_a_cuda_out_of_memory_note_names_the_holder_and_memory_allocated(tmp_path: Any) -> None:
     """The seed's error itself: ``torch.OutOfMemoryError`` on a GPU, capped at 2 GiB, carries the note with the line,
     the holder and what the allocator holds."""

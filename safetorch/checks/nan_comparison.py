@@ -196,17 +196,21 @@ def _source(spot: Spot) -> str:
     return text.strip() if text else getline(spot.f_code.co_filename, spot.f_lineno, spot.f_globals).strip()
 
 
-def _parse(text: str) -> ast.AST | None:
+def _parse(text: str) -> tuple[ast.AST, str] | None:
+    """The expression ``text`` holds, and the text it was parsed from (a line's ``if``/``while``/... taken off)."""
     for candidate in (text, text.rstrip(":") if text.endswith(":") else None,
                       text.split(None, 1)[1].rstrip(":") if text.split(None, 1)[0] in ("if", "elif", "while",
                                                                                         "assert", "return") else None):
         if not candidate:
             continue
         try:
-            return ast.parse(candidate.strip(), mode="eval").body
+            return ast.parse(candidate.strip(), mode="eval").body, candidate.strip()
         except SyntaxError:
             continue
-    return None
+    try:  # a statement: ``kept = [v for v in xs if v != nan]``
+        return ast.parse(text.strip(), mode="exec"), text.strip()
+    except SyntaxError:
+        return None
 
 
 def _nan_node(node: ast.AST) -> str | None:
@@ -225,8 +229,8 @@ def _nan_node(node: ast.AST) -> str | None:
     return None
 
 
-def _find(tree: ast.AST, op: str) -> tuple[ast.AST, str, bool] | None:
-    """In ``tree``: (the operand compared with NaN, the NaN's module, negated) for the comparison or call ``op``."""
+def _find(tree: ast.AST, op: str) -> tuple[ast.AST, str, bool, ast.AST] | None:
+    """In ``tree``: (the operand compared with NaN, the NaN's module, negated, the comparison or call) for ``op``."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Compare) and len(node.ops) == 1:
             left, right = node.left, node.comparators[0]
@@ -234,7 +238,7 @@ def _find(tree: ast.AST, op: str) -> tuple[ast.AST, str, bool] | None:
             for nan, other in ((right, left), (left, right)):
                 module = _nan_node(nan)
                 if module is not None and _nan_node(other) is None:
-                    return other, module, negated
+                    return other, module, negated, node
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _EQUALITIES:
             args = [*node.args]
             if len(args) == 1:
@@ -244,7 +248,7 @@ def _find(tree: ast.AST, op: str) -> tuple[ast.AST, str, bool] | None:
             if module is not None and others:
                 receiver = node.func.value
                 spelled = receiver.id if isinstance(receiver, ast.Name) and len(node.args) == 2 else module
-                return others[0], spelled, node.func.attr.startswith(("ne", "__ne"))
+                return others[0], spelled, node.func.attr.startswith(("ne", "__ne")), node
     return None
 
 
@@ -280,14 +284,16 @@ def _value(node: ast.AST, spot: Spot) -> Any:
 
 def _message(spot: Spot, op: str) -> str:
     text = _source(spot)
-    tree = _parse(text)
-    found = _find(tree, op) if tree is not None else None
+    parsed = _parse(text)
+    found = _find(parsed[0], op) if parsed is not None else None
+    if found is not None and parsed is not None and sys.version_info < (3, 11):  # the line, not the comparison's span
+        text = ast.get_source_segment(parsed[1], found[3]) or text
     always = "True" if op in ("!=", "is not", "ne", "ne_", "__ne__") else "False"
     shown = f"`{_callsite.normalized(text)}`" if text and len(text) <= 100 else "this comparison with NaN"
     if found is None:
         return (f"{CODE} {shown} compares with NaN: always {always}, since NaN equals nothing, itself included, so "
                 f"this NaN check never fires. Write: torch.isnan(x) for a tensor, math.isnan(v) for a number")
-    operand, module, negated = found
+    operand, module, negated, _ = found
     fix = _isnan(operand, module, spot)
     if negated:
         fix = f"~{fix}" if fix.startswith("torch.") else f"not {fix}"

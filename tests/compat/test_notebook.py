@@ -7,6 +7,7 @@ trailing semicolon (the notebook's way to discard a value) is a discard, and a r
 from __future__ import annotations
 
 import re
+import sys
 from typing import Any
 
 import pytest
@@ -60,7 +61,9 @@ def test_findings_name_the_cell_and_show_its_line(executed: list[Any]) -> None:
 
 def test_crash_notes_and_the_report_name_cells(executed: list[Any]) -> None:
     crash = _text(executed[4])
-    assert "RuntimeError" in crash and "safetorch: Cell In[5]:2 discarded a conversion earlier" in crash
+    assert "RuntimeError" in crash
+    if sys.version_info >= (3, 11):  # a crash note is a PEP 678 exception note: 3.11+ (docs/limitations.md)
+        assert "safetorch: Cell In[5]:2 discarded a conversion earlier" in crash
     assert "['Cell In[2]', 'Cell In[4]', 'Cell In[5]']" in _text(executed[5])
 
 
