@@ -6,11 +6,14 @@ trailing semicolon (the notebook's way to discard a value) is a discard, and a r
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from typing import Any
 
 import pytest
+
+from safetorch import _run
 
 from ..conftest import ROOT
 
@@ -35,8 +38,15 @@ def executed() -> list[Any]:
     pytest.importorskip("ipykernel")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
     # The kernel (ipykernel's own spec: this interpreter) imports the safetorch of this checkout, run from its root.
-    nbclient.NotebookClient(nb, timeout=300, startup_timeout=300, kernel_name="python3", allow_errors=True,
-                            resources={"metadata": {"path": ROOT}}).execute()
+    # It is a run of its own: inheriting this process's run directory, its findings (provoked on purpose) would be
+    # this test process's too, in the summary pytest's exit prints.
+    inherited = os.environ.pop(_run.ENV, None)
+    try:
+        nbclient.NotebookClient(nb, timeout=300, startup_timeout=300, kernel_name="python3", allow_errors=True,
+                                resources={"metadata": {"path": ROOT}}).execute()
+    finally:
+        if inherited is not None:
+            os.environ[_run.ENV] = inherited
     return list(nb.cells)
 
 
