@@ -672,11 +672,20 @@ def _fix_st004(tree: _Tree, f: Finding) -> Edit | str:
             return node.with_changes(value=called(node.value))
 
         return tree.edit(f, small, None, make)
-    reads = [re.search(rf"(?<![\w.]){re.escape(target)}(?!\w)", _one_line(tree, side)) is not None
-             for side in (small.value.left, small.value.right)]
-    if reads[0] == reads[1]:
-        return f"`{target}` is read on {'both sides' if reads[0] else 'neither side'} of the `+`: fix it by hand"
-    side = "right" if reads[0] else "left"  # the value added to the sum: ``total = total + loss``
+    import ast
+
+    from ._graphs import addend
+
+    try:  # the message's own choice of the value added (`safetorch._graphs.fixed`)
+        parsed = ast.parse(_one_line(tree, small)).body[0]
+    except (SyntaxError, IndexError):
+        return "the accumulation cannot be read again"
+    if not isinstance(parsed, ast.Assign) or not isinstance(parsed.value, ast.BinOp):
+        return "the accumulation cannot be read again"
+    chosen = addend(parsed, parsed.value)
+    if chosen is parsed.value:
+        return f"`{target}` is read on both sides of the `+` or on neither: fix it by hand"
+    side = "right" if chosen is parsed.value.right else "left"  # ``total = total + loss``
 
     def make_bin(node: Any) -> Any:
         return node.with_changes(value=node.value.with_changes(**{side: called(getattr(node.value, side))}))

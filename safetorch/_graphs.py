@@ -329,7 +329,7 @@ def statement_of(line: str, name: str) -> str:
     return normalized(text)
 
 
-def _addend(node: ast.Assign, value: ast.BinOp) -> ast.expr:
+def addend(node: ast.Assign, value: ast.BinOp) -> ast.expr:
     """Of ``target = a + b``, the side that does not read the target (the sum itself when both or neither do)."""
     target = ast.unparse(node.targets[0])
     left, right = (target in {ast.unparse(n) for n in ast.walk(side)} for side in (value.left, value.right))
@@ -352,7 +352,7 @@ def fixed(statement: str, suffix: str) -> str:
     elif isinstance(node, (ast.AugAssign, ast.Assign)):
         value = node.value
         if isinstance(node, ast.Assign) and isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
-            value = _addend(node, value)  # ``total = total + loss``: the value added, not the sum
+            value = addend(node, value)  # ``total = total + loss``: the value added, not the sum
     if not isinstance(value, (ast.Name, ast.Attribute, ast.Call, ast.Subscript, ast.BinOp, ast.UnaryOp)):
         return f"store the value{suffix} (a number, or a tensor without a graph)"
     start, end = value.col_offset, value.end_col_offset
