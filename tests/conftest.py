@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -112,6 +113,16 @@ def one_rank_group() -> Iterator[None]:
             yield
         finally:
             dist.destroy_process_group()
+
+
+PACKAGE = os.path.dirname(os.path.abspath(safetorch.__file__))
+
+
+def shows_safetorch(text: str) -> bool:
+    """Whether ``text`` (a program's stderr) shows safetorch: a line of its own (``safetorch: ...``), a finding
+    (``ST004``), or a frame in its package. A path that merely contains the word, such as a virtual environment under
+    ``~/.cache/safetorch-ci``, is not safetorch speaking."""
+    return PACKAGE in text or re.search(r"^\s*safetorch\b|\bST\d{3}\b", text, re.M) is not None
 
 
 def lineno() -> int:
