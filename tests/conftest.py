@@ -7,6 +7,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -78,13 +79,54 @@ def device_path() -> Iterator[None]:
 
 @contextlib.contextmanager
 def findings() -> Iterator[list[warnings.WarningMessage]]:
-    """Record every SafetorchWarning (and internal warning) raised inside the block."""
+    """Record every SafetorchWarning (and internal warning) raised inside the block. The list is live: read inside
+    the block (``assert got == []`` before the line that should report), it holds what was reported so far."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got: list[warnings.WarningMessage] = []
+        got = _Findings(caught)
         yield got
-    got.extend(w for w in caught if issubclass(w.category, (safetorch.SafetorchWarning,
-                                                             safetorch.SafetorchInternalWarning)))
+        got.sync()
+    got.caught = None
+
+
+class _Findings(list):  # type: ignore[type-arg]
+    """The SafetorchWarnings among ``caught`` (a `warnings.catch_warnings` record), brought up to date whenever the
+    list is read."""
+
+    def __init__(self, caught: list[warnings.WarningMessage] | None) -> None:
+        super().__init__()
+        self.caught = caught
+
+    def sync(self) -> None:
+        if self.caught is not None:
+            mine = [w for w in self.caught
+                    if issubclass(w.category, (safetorch.SafetorchWarning, safetorch.SafetorchInternalWarning))]
+            list.__setitem__(self, slice(None), mine)
+
+    def __eq__(self, other: object) -> bool:
+        self.sync()
+        return list.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __len__(self) -> int:
+        self.sync()
+        return list.__len__(self)
+
+    def __iter__(self) -> Iterator[warnings.WarningMessage]:
+        self.sync()
+        return list.__iter__(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        self.sync()
+        return list.__getitem__(self, index)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def __repr__(self) -> str:
+        self.sync()
+        return list.__repr__(self)
 
 
 def on_and_off(program: Callable[[], list[torch.Tensor]]) -> tuple[list[warnings.WarningMessage], bool]:
