@@ -1,14 +1,16 @@
 """ST006: a NaN or infinite loss reaching ``backward()``, reported at the line that called backward.
 
-On the CPU the value is checked directly (a scalar loss's ``item()``). On an accelerator no host synchronisation is
-added: the loss is handed to `safetorch._deferred` (a non-blocking copy into pinned host memory and an event; a
-vector's ``isfinite().all()`` first), and the result is read once the device has computed it: at a later
-``backward()``, and at exit (before the exit summary). The first 64 backwards are looked at, then one in 32
-(`safetorch._deferred.looks`): a loss that diverged stays NaN and is found within 32 steps, and a backward not looked
-at costs one ``next()``. A looked-at backward costs the copy, the event, and a remembered place (code object,
-instruction, globals: O(1), whatever the length of the training function); the loss's name, the line number and the
-message are worked out only for a loss that was not finite. In strict mode the finding raises
-at the backward that reads it, naming the line of the backward that started from the bad loss.
+The first 64 backwards are looked at, then one in 32 (`safetorch._deferred.looks`), on every device: a loss that
+diverged stays NaN (the step after a NaN loss makes the weights NaN) and is found within 32 steps, and a backward not
+looked at costs one ``next()`` (a CPU loss's ``item()`` at every backward was a third of what safetorch added to a
+tiny model's training step). On the CPU a looked-at value is checked directly (a scalar loss's ``item()``). On an
+accelerator no host synchronisation is added: the loss is handed to `safetorch._deferred` (a non-blocking copy into
+pinned host memory and an event; a vector's ``isfinite().all()`` first), and the result is read once the device has
+computed it: at a later ``backward()``, and at exit (before the exit summary). A looked-at backward there costs the
+copy, the event, and a remembered place (code object, instruction, globals: O(1), whatever the length of the training
+function); the loss's name, the line number and the message are worked out only for a loss that was not finite. In
+strict mode the finding raises at the backward that reads it, naming the line of the backward that started from the
+bad loss.
 """
 
 from __future__ import annotations
@@ -132,11 +134,12 @@ def _before_backward(tensors: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
         if isinstance(tensors, torch.Tensor):
+            if not _next(_deferred.looks):
+                return  # a backward not looked at, on any device: one next() in C
             if tensors.is_cpu and not _deferred.FORCED:
-                # The usual case, one finite loss on the CPU: no call, no loop, no frame walk. `v - v == 0` holds
-                # for every finite int, float or complex, and for no NaN or infinity. item() raises for any other
-                # number of elements than one, which a backward from a loss rarely has (asking numel() first costs
-                # every backward).
+                # A looked-at loss on the CPU: no call, no loop, no frame walk. `v - v == 0` holds for every finite
+                # int, float or complex, and for no NaN or infinity. item() raises for any other number of elements
+                # than one, which a backward from a loss rarely has (asking numel() first costs every backward).
                 try:
                     value = tensors.item()
                 except Exception:
@@ -145,8 +148,6 @@ def _before_backward(tensors: Any) -> None:
                 else:
                     if value - value == 0:
                         return
-            elif not _next(_deferred.looks):
-                return  # on an accelerator, a backward not looked at: one next() in C
             else:
                 if _deferred.pending:
                     _deferred.poll()
