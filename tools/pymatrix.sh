@@ -77,6 +77,9 @@ run_sid() {  # 3.14: Debian sid's python3 in a chroot (debootstrap), with its ow
     mountpoint -q "$target/repo" || mount --bind "$PWD" "$target/repo" || return 1
     mountpoint -q "$target/proc" || mount -t proc proc "$target/proc"
     cp /etc/resolv.conf "$target/etc/resolv.conf"
+    # this machine's names: a torchrun job's rendezvous (--standalone) resolves the host's name, which the chroot's
+    # own hosts file does not know (every 2-rank job timed out there)
+    cp /etc/hosts "$target/etc/hosts"
     # this machine's certificate authorities (a proxy's, where there is one) for pip inside the chroot, which reads
     # the system's bundle (SSL_CERT_FILE and PIP_CERT, inherited, name that path)
     cp /etc/ssl/certs/ca-certificates.crt "$target/etc/ssl/certs/ca-certificates.crt"
