@@ -74,13 +74,29 @@ def _annotate(exc: BaseException, tb: TracebackType | None) -> TracebackType | N
     return tb
 
 
+def _notes_without_pep678(exc: BaseException) -> list[str]:
+    """Python 3.10 has no exception notes: the crash notes an uncaught error gets, to print after its traceback where
+    3.11 prints them."""
+    if hasattr(exc, "add_note") or isinstance(exc, (SafetorchError, SafetorchWarning)):
+        return []
+    found: list[str] = []
+    for code in installed_checks():
+        notes = getattr(_check_module(code), "crash_notes", None)
+        found.extend(notes(exc) if notes is not None else ())
+    return found
+
+
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     """Show an uncaught SafetorchError with a traceback that ends on the user's line, then defer to the original."""
+    notes: list[str] = []
     try:
         tb = _annotate(exc, tb)
+        notes = _notes_without_pep678(exc)
     except Exception:
         pass
     (_original_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+    for note in notes:
+        print(note, file=sys.stderr)
 
 
 _original_excepthook = None

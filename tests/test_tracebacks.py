@@ -97,9 +97,10 @@ def test_a_strict_finding_in_a_spawned_child_shows_no_frame_of_safetorch(tmp_pat
         """))
     proc = run_runner(["--strict", "child.py"], cwd=str(tmp_path))
     assert "safetorch.SafetorchError: ST001 x.float()" in proc.stderr, proc.stderr
-    shown = [line.strip() for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
-    assert shown[-1] == f'File "{program}", line 6, in work'
-    assert not [line for line in shown if SAFETORCH in line]
+    if sys.version_info >= (3, 11):  # on 3.10 the raising frame stays (see above)
+        shown = [line.strip() for line in proc.stderr.splitlines() if line.strip().startswith("File ")]
+        assert shown[-1] == f'File "{program}", line 6, in work'
+        assert not [line for line in shown if SAFETORCH in line]
 
 
 class _Recursive(nn.Module):

@@ -879,8 +879,29 @@ def _origin(frame: FrameType | None) -> Origin | None:
     while outer is not None and (is_internal(outer.f_code) or _library(outer.f_code)
                                  or outer.f_code.co_filename == code.co_filename):
         outer = outer.f_back
+    if not hasattr(code, "co_qualname") and len(_qualnames) < 256:
+        _qualnames[code] = _qualname_of(frame)
     return code, frame.f_lasti, frame.f_globals.get("__name__", "?"), \
         (outer.f_code, outer.f_lasti) if outer is not None else None
+
+
+#: Python 3.10 (no ``co_qualname``): the class-qualified names of the functions that called eval(), from their frames.
+_qualnames: dict[CodeType, str] = {}
+
+
+def _qualname_of(frame: FrameType) -> str:
+    """``PreTrainedModel.from_pretrained`` for a method's frame, from the class that defines the running code (found
+    along the MRO of its ``cls`` or ``self``); the function's name otherwise."""
+    code = frame.f_code
+    owner = frame.f_locals.get("cls", frame.f_locals.get("self")) if code.co_varnames[:1] in (("cls",), ("self",)) \
+        else None
+    if owner is not None:
+        for klass in (owner if isinstance(owner, type) else type(owner)).__mro__:
+            function = klass.__dict__.get(code.co_name)
+            function = getattr(function, "__func__", function)
+            if getattr(function, "__code__", None) is code:
+                return f"{klass.__qualname__}.{code.co_name}"
+    return code.co_name
 
 
 def _line_at(code: CodeType, lasti: int) -> int:
@@ -894,7 +915,7 @@ def _describe(origin: Origin | None) -> str:
         return "an eval() call"
     code, lasti, module, outer = origin
     filename, lineno = code.co_filename, _line_at(code, lasti)
-    name = f"{module}.{getattr(code, 'co_qualname', code.co_name)}()" if module else ""
+    name = f"{module}.{getattr(code, 'co_qualname', None) or _qualnames.get(code, code.co_name)}()" if module else ""
     called = f"{outer[0].co_filename}:{_line_at(*outer)}" if outer is not None else ""
     where = f"{filename}:{lineno}"
     if module and _library(code):
