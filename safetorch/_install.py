@@ -67,18 +67,13 @@ def _annotate(exc: BaseException, tb: TracebackType | None) -> TracebackType | N
     if isinstance(exc, (SafetorchError, SafetorchWarning)):  # strict mode, or a `-W error` filter
         return _report.prune_traceback(tb)
     if hasattr(exc, "add_note"):  # PEP 678, Python 3.11+
-        for code in installed_checks():
-            notes = getattr(_check_module(code), "crash_notes", None)
-            for note in notes(exc) if notes is not None else ():
-                exc.add_note(note)
+        for note in _crash_notes(exc):
+            exc.add_note(note)
     return tb
 
 
-def _notes_without_pep678(exc: BaseException) -> list[str]:
-    """Python 3.10 has no exception notes: the crash notes an uncaught error gets, to print after its traceback where
-    3.11 prints them."""
-    if hasattr(exc, "add_note") or isinstance(exc, (SafetorchError, SafetorchWarning)):
-        return []
+def _crash_notes(exc: BaseException) -> list[str]:
+    """What the installed checks say about an uncaught error that is not a finding (their ``crash_notes``)."""
     found: list[str] = []
     for code in installed_checks():
         notes = getattr(_check_module(code), "crash_notes", None)
@@ -91,7 +86,8 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     notes: list[str] = []
     try:
         tb = _annotate(exc, tb)
-        notes = _notes_without_pep678(exc)
+        if not hasattr(exc, "add_note") and not isinstance(exc, (SafetorchError, SafetorchWarning)):
+            notes = _crash_notes(exc)  # Python 3.10 has no PEP 678 notes: printed after the traceback instead
     except Exception:
         pass
     (_original_excepthook or sys.__excepthook__)(exc_type, exc, tb)

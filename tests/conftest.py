@@ -121,6 +121,10 @@ class _Findings(list):  # type: ignore[type-arg]
         self.sync()
         return list.__getitem__(self, index)
 
+    def __contains__(self, item: object) -> bool:
+        self.sync()
+        return list.__contains__(self, item)
+
     def __bool__(self) -> bool:
         return len(self) > 0
 
