@@ -200,3 +200,18 @@ def test_off_after_uninstall(tmp_path: os.PathLike[str]) -> None:
     with findings() as got:
         module.train(2)
     assert got == []
+
+
+def test_code_without_source_warns_at_its_line_without_an_internal_error() -> None:
+    """Code compiled from a string (``python -c``, ``exec``, a generated training function) has no source to read:
+    ST021 still finds the comparison in its bytecode and reports it at its line, with the fix, and no internal error
+    (an IndexError on the empty source line, before)."""
+    namespace: dict[str, object] = {}
+    exec(compile(TRAIN, "<generated>", "exec"), namespace)
+    line = TRAIN.splitlines().index('        if loss.item() == float("nan"):') + 1
+    with findings() as got:
+        namespace["train"](3)  # type: ignore[operator]
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(NanComparisonWarning, "<generated>", line)]
+    assert str(got[0].message).startswith(
+        "ST021 this line compares with NaN: always False, since NaN equals nothing, itself included, so this NaN "
+        "check never fires. Write: torch.isnan(x) for a tensor, math.isnan(v) for a number")

@@ -198,15 +198,18 @@ def _source(spot: Spot) -> str:
 
 def _parse(text: str) -> tuple[ast.AST, str] | None:
     """The expression ``text`` holds, and the text it was parsed from (a line's ``if``/``while``/... taken off)."""
+    words = text.split(None, 1)  # none where the source is unknown (``python -c``, code compiled from a string)
+    keyword = len(words) == 2 and words[0] in ("if", "elif", "while", "assert", "return")
     for candidate in (text, text.rstrip(":") if text.endswith(":") else None,
-                      text.split(None, 1)[1].rstrip(":") if text.split(None, 1)[0] in ("if", "elif", "while",
-                                                                                        "assert", "return") else None):
+                      words[1].rstrip(":") if keyword else None):
         if not candidate:
             continue
         try:
             return ast.parse(candidate.strip(), mode="eval").body, candidate.strip()
         except SyntaxError:
             continue
+    if not words:
+        return None
     try:  # a statement: ``kept = [v for v in xs if v != nan]``
         return ast.parse(text.strip(), mode="exec"), text.strip()
     except SyntaxError:
@@ -289,7 +292,8 @@ def _message(spot: Spot, op: str) -> str:
     if found is not None and parsed is not None and sys.version_info < (3, 11):  # the line, not the comparison's span
         text = ast.get_source_segment(parsed[1], found[3]) or text
     always = "True" if op in ("!=", "is not", "ne", "ne_", "__ne__") else "False"
-    shown = f"`{_callsite.normalized(text)}`" if text and len(text) <= 100 else "this comparison with NaN"
+    shown = f"`{_callsite.normalized(text)}`" if text and len(text) <= 100 else "this comparison" if text else \
+        "this line"  # its source unknown: ``python -c``, code compiled from a string
     if found is None:
         return (f"{CODE} {shown} compares with NaN: always {always}, since NaN equals nothing, itself included, so "
                 f"this NaN check never fires. Write: torch.isnan(x) for a tensor, math.isnan(v) for a number")
