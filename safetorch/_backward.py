@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ._compat import is_compiling
+from ._compat import compile_flags, dynamo_compiling
 from ._exceptions import SafetorchError
 from ._patch import registry
 from ._report import is_internal, user_frame
@@ -49,7 +49,8 @@ _countdown: Iterator[int] = _NEVER
 #: two events compares two readings (ST019). One global increment per backward.
 count = 0
 _on_due: Callable[[], None] | None = None
-_is_compiling = is_compiling
+_dynamo_compiling = dynamo_compiling
+_flags = compile_flags
 
 
 def origin(caller: FrameType) -> tuple[FrameType | None, str]:
@@ -89,7 +90,7 @@ def _dispatch_known(original: Any) -> Any:
             count += 1
             if _next(_countdown, None) is None:
                 _call_due()
-            if _before_now and not _is_compiling():  # the function: dynamo guards a flag read (see eval_mode_grad)
+            if _before_now and not (_dynamo_compiling() or _flags._is_compiling_flag):  # see _compat.dynamo_compiling
                 for before in _before_now:
                     before(tensors)  # each listener guards its own logic; strict mode raises here
             if not _on_error:
@@ -119,7 +120,7 @@ def _dispatch_any(original: Any) -> Any:
             count += 1
             if _next(_countdown, None) is None:
                 _call_due()
-            if _before_now and not _is_compiling():  # the function: dynamo guards a flag read (see eval_mode_grad)
+            if _before_now and not (_dynamo_compiling() or _flags._is_compiling_flag):  # see _compat.dynamo_compiling
                 tensors = args[0] if args else kwargs.get("tensors")
                 for before in _before_now:
                     before(tensors)

@@ -7,6 +7,7 @@ looked up here once, with what older releases call them. The test suite runs on 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +27,21 @@ def _is_compiling() -> Callable[[], bool]:
 
 #: ``torch.compiler.is_compiling`` where it exists (2.3+), else ``torch._dynamo.is_compiling``.
 is_compiling: Callable[[], bool] = _is_compiling()
+
+
+class _NoFlag:
+    _is_compiling_flag = False
+
+
+#: For the paths every step takes, ``dynamo_compiling() or compile_flags._is_compiling_flag`` answers as
+#: `is_compiling` does at a third of its cost (one Python call instead of two, measured: 380 instructions against
+#: 1,070): dynamo answers ``torch.compiler.is_dynamo_compiling()`` as True and never reads the flag (a flag read
+#: alone would be guarded: a recompile at every call), and the flag is True while ``torch.export`` traces without
+#: dynamo. Where ``is_dynamo_compiling`` is missing (torch < 2.3) it is `is_compiling`.
+dynamo_compiling: Callable[[], bool] = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None) or \
+    is_compiling
+compile_flags: Any = getattr(torch, "compiler", None) if hasattr(getattr(torch, "compiler", None),
+                                                                  "_is_compiling_flag") else _NoFlag()
 
 
 _FAKE = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "FAKE", None)

@@ -75,7 +75,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import _backward, _callsite, _config, _visible
 from .._callsite import callee, getline
-from .._compat import is_compiling
+from .._compat import compile_flags, dynamo_compiling, is_compiling
 from .._exceptions import SafetorchWarning
 from .._hooks import untallied
 from .._modes import eval_effects, joined
@@ -103,6 +103,8 @@ _call_impl_code = torch.nn.Module._call_impl.__code__
 _wrapped_call_impl_code = torch.nn.Module._wrapped_call_impl.__code__
 _module_call_impl = torch.nn.Module._call_impl
 _is_compiling = is_compiling
+_dynamo_compiling = dynamo_compiling
+_flags = compile_flags
 _is_grad_enabled = torch.is_grad_enabled
 _tracing_state = torch._C._get_tracing_state
 _functorch = getattr(torch._C, "_functorch", None)
@@ -240,9 +242,10 @@ class _Guard:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True  # noqa: F841
         module = self.module()
-        # The function, not torch.compiler's flag: dynamo answers the call as a constant, while it would guard a
-        # flag read, True while it traces and False when the graph runs (a recompile at every call).
-        if _is_compiling():
+        # A call first, not torch.compiler's flag alone: dynamo answers the call as a constant, while it would guard
+        # a flag read, True while it traces and False when the graph runs (a recompile at every call). The flag is
+        # read only outside dynamo (torch.export's tracing without it). See `_compat.dynamo_compiling`.
+        if _dynamo_compiling() or _flags._is_compiling_flag:
             return _module_call_impl(module, *args, **kwargs)  # dynamo traces this: sys._getframe would break it
         try:
             # Held by more than the module's __dict__ and this call: perhaps by a copy of that __dict__ (a clone). Only
