@@ -20,6 +20,7 @@ from typing import Any
 from . import _callsite, _config, _notebook, _report, _run, _unseen
 from ._exceptions import SafetorchConfigWarning, SafetorchError, SafetorchWarning
 from ._patch import registry, wrapt_c_extension
+from ._tracebacks import hide_own_frames, without_own_frames
 
 __all__ = ["checks", "install", "installed_checks", "uninstall"]
 
@@ -82,9 +83,12 @@ def _crash_notes(exc: BaseException) -> list[str]:
 
 
 def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-    """Show an uncaught SafetorchError with a traceback that ends on the user's line, then defer to the original."""
+    """Show an uncaught SafetorchError with a traceback that ends on the user's line, then defer to the original.
+    Every traceback it prints shows no safetorch frame: on Python 3.10 a patch's bare ``raise`` keeps the patch's
+    own frame (`safetorch._tracebacks`), taken out here, in the exception and in those it was raised from."""
     notes: list[str] = []
     try:
+        tb = _without_own_frames(exc, tb)
         tb = _annotate(exc, tb)
         if not hasattr(exc, "add_note") and not isinstance(exc, (SafetorchError, SafetorchWarning)):
             notes = _crash_notes(exc)  # Python 3.10 has no PEP 678 notes: printed after the traceback instead
@@ -93,6 +97,22 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     (_original_excepthook or sys.__excepthook__)(exc_type, exc, tb)
     for note in notes:
         print(note, file=sys.stderr)
+
+
+def _without_own_frames(exc: BaseException, tb: TracebackType | None) -> TracebackType | None:
+    """``tb`` (``exc``'s traceback) without safetorch's frames, and the same for the exceptions it was raised from
+    or during (a bounded walk of ``__cause__``/``__context__``)."""
+    own = exc.__traceback__ is tb
+    tb = without_own_frames(tb)
+    if own:
+        exc.__traceback__ = tb
+    seen = {id(exc)}
+    chained = exc.__cause__ or exc.__context__
+    while chained is not None and id(chained) not in seen and len(seen) < 64:
+        seen.add(id(chained))
+        hide_own_frames(chained)
+        chained = chained.__cause__ or chained.__context__
+    return tb
 
 
 _original_excepthook = None

@@ -4,6 +4,7 @@ errors in patched functions and methods, and strict-mode findings, in this proce
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import textwrap
 import traceback
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 import safetorch
 from safetorch import SafetorchError
 
-from .conftest import lineno, run_runner
+from .conftest import clean_env, lineno, run_runner
 
 SAFETORCH = os.path.dirname(os.path.abspath(safetorch.__file__)) + os.sep
 
@@ -63,6 +64,60 @@ def test_an_error_through_a_patch_shows_the_traceback_it_shows_without_safetorch
     assert (on[0], theirs) == off
     if sys.version_info >= (3, 11):
         assert on == off
+
+
+_UNCAUGHT = {
+    "eval-mode forward": """\
+        import safetorch
+        import torch
+        import torch.nn as nn
+
+        class Broken(nn.Module):
+            def forward(self, x):
+                return x @ torch.ones(5, 5)
+
+        model = nn.Sequential(nn.Linear(3, 3), Broken()).eval()
+        model(torch.randn(2, 3))
+    """,
+    "tensor conversion": """\
+        import safetorch
+        import torch
+
+        def move(x):
+            return x.to("no-such-device")
+
+        move(torch.ones(3))
+    """,
+    "raised from": """\
+        import safetorch
+        import torch
+
+        try:
+            torch.ones(3).to("no-such-device")
+        except RuntimeError as error:
+            raise ValueError("could not move the batch") from error
+    """,
+}
+
+
+@pytest.mark.parametrize("name", list(_UNCAUGHT))
+def test_an_uncaught_error_prints_the_traceback_it_prints_without_safetorch(name: str, tmp_path: os.PathLike[str]) \
+        -> None:
+    """What the user reads when the program dies: the printed traceback is line for line the one without safetorch,
+    on every Python. On 3.10 a patch's bare ``raise`` keeps its frame in the exception (above); safetorch's
+    excepthook takes it out of what is printed, in the exception and in the one it was raised from."""
+    program = os.path.join(tmp_path, "crash.py")
+    with open(program, "w") as fh:
+        fh.write(textwrap.dedent(_UNCAUGHT[name]))
+    printed = {}
+    for state, extra in (("on", {}), ("off", {"SAFETORCH_DISABLE": "1"})):
+        proc = subprocess.run([sys.executable, program], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=clean_env(**extra))
+        assert proc.returncode == 1, proc.stderr
+        printed[state] = [line for line in proc.stderr.splitlines() if not line.startswith("safetorch: ")]
+    assert printed["on"] == printed["off"]
+    assert not [line for line in printed["on"] if SAFETORCH in line]
+    assert sum(line.startswith("Traceback") for line in printed["on"]) == (2 if name == "raised from" else 1)
 
 
 def test_a_strict_finding_shows_no_frame_of_safetorch() -> None:

@@ -18,7 +18,7 @@ for group in optimizer.param_groups:
     group["initial_lr"] = group["lr"]
 
 for step in range(4):
-    for micro_step in range(GRAD_ACCUM_STEPS):
+    for _micro_step in range(GRAD_ACCUM_STEPS):
         x, y = torch.randint(0, VOCAB, (2, SEQ)), torch.randint(0, VOCAB, (2, SEQ))
         loss = F.cross_entropy(model(x).view(-1, VOCAB), y.view(-1))
         train_loss = loss.detach()
