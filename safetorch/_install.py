@@ -64,7 +64,9 @@ def _teardown(code: str) -> None:
 
 
 def _annotate(exc: BaseException, tb: TracebackType | None) -> TracebackType | None:
-    """An uncaught finding's traceback ends on the user's line; another error gets the checks' crash notes."""
+    """An uncaught finding's traceback ends on the user's line; another error gets the checks' crash notes. Either
+    shows no safetorch frame (`_without_own_frames`): the excepthook and IPython's handler print what this returns."""
+    tb = _without_own_frames(exc, tb)
     if isinstance(exc, (SafetorchError, SafetorchWarning)):  # strict mode, or a `-W error` filter
         return _report.prune_traceback(tb)
     if hasattr(exc, "add_note"):  # PEP 678, Python 3.11+
@@ -88,7 +90,6 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
     own frame (`safetorch._tracebacks`), taken out here, in the exception and in those it was raised from."""
     notes: list[str] = []
     try:
-        tb = _without_own_frames(exc, tb)
         tb = _annotate(exc, tb)
         if not hasattr(exc, "add_note") and not isinstance(exc, (SafetorchError, SafetorchWarning)):
             notes = _crash_notes(exc)  # Python 3.10 has no PEP 678 notes: printed after the traceback instead
