@@ -101,18 +101,15 @@ def _excepthook(exc_type: type[BaseException], exc: BaseException, tb: Traceback
 
 
 def _without_own_frames(exc: BaseException, tb: TracebackType | None) -> TracebackType | None:
-    """``tb`` (``exc``'s traceback) without safetorch's frames, and the same for the exceptions it was raised from
-    or during (a bounded walk of ``__cause__``/``__context__``)."""
-    own = exc.__traceback__ is tb
+    """``tb`` (``exc``'s traceback) without safetorch's frames, and the same for ``exc`` and the exceptions it was
+    raised from or during (a bounded walk of ``__cause__``/``__context__``)."""
     tb = without_own_frames(tb)
-    if own:
-        exc.__traceback__ = tb
-    seen = {id(exc)}
-    chained = exc.__cause__ or exc.__context__
-    while chained is not None and id(chained) not in seen and len(seen) < 64:
-        seen.add(id(chained))
-        hide_own_frames(chained)
-        chained = chained.__cause__ or chained.__context__
+    seen: set[int] = set()
+    node: BaseException | None = exc
+    while node is not None and id(node) not in seen and len(seen) < 64:
+        seen.add(id(node))
+        hide_own_frames(node)
+        node = node.__cause__ or node.__context__
     return tb
 
 
