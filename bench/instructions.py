@@ -16,10 +16,16 @@ the measured epochs (everything else — interpreter start, ``import torch``, wa
 Optional: it needs valgrind, and takes a few minutes per seed.
 
 Counts are not noise-free either: string hashes (``PYTHONHASHSEED``) move dict probing and memory layout, which
-moved the tiny MLP's count by about ±2.5k instructions per step pair between seeds. Each seed's pair of runs uses one
-hash seed, and the figure is the sum over ``--seeds`` seeds (0, 1, …). Installing and then uninstalling safetorch
-in the same process is no baseline: torch's bytecode, specialised while the patches stood, stays slower by about
-2.5k instructions per step pair (measured), which would flatter safetorch.
+moved the tiny MLP's count by about ±2.5k instructions per step pair between seeds; so does the size of the
+environment (40 bytes more moved the run with safetorch by 3k per step pair, the same hash seed), and so does any
+change to the code that moves what is allocated where. Each seed's pair of runs uses one hash seed and one
+environment size, the same variables in both runs (``SAFETORCH_DISABLE=0`` or ``1``), and the figure is the sum over
+``--seeds`` seeds (0, 1, …). A difference of a few tenths of a point between two commits is within what layout
+alone moves; a change is judged first by its count per call in a loop of its own (bench/README's per-call
+table), then here.
+
+Installing and then uninstalling safetorch in the same process is no baseline: torch's bytecode, specialised while
+the patches stood, stays slower by about 2.5k instructions per step pair (measured), which would flatter safetorch.
 
 Instructions are not time: the same count can take longer when it misses the caches more, which Python code does
 more than torch's kernels. The timed bench (`python -m bench`) stays the measure; this is its noise-free companion.
@@ -101,12 +107,15 @@ def _launch(on: bool, steps: int, loop: str, seed: int, lines: int = 0,
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)}
     env.pop("SAFETORCH_IGNORE", None)
-    env.pop("SAFETORCH_DISABLE", None)
     env.pop("SAFETORCH_DEFERRED_CPU", None)
     if device_path:
         env["SAFETORCH_DEFERRED_CPU"] = "1"  # CPU tensors take the accelerator path (safetorch._deferred)
-    if not on:
-        env["SAFETORCH_DISABLE"] = "1"
+    # Both runs get the same variables, of the same lengths: the environment's size alone moves the count (the same
+    # program, the same hash seed, 40 bytes more of environment: 3k instructions per step pair more, measured).
+    env["SAFETORCH_DISABLE"] = "0" if on else "1"
+    # And each seed its own environment size, the same for both of its runs: a figure summed over seeds is then
+    # summed over layouts too, not over one layout that may favour either run.
+    env["BENCH_LAYOUT"] = "x" * (37 * seed)
     cmd = ["valgrind", "--tool=callgrind", "--toggle-collect=functools_reduce", "--callgrind-out-file=/dev/null",
            sys.executable, "-c", _PROGRAM]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
