@@ -30,7 +30,7 @@ from typing import Any
 
 __all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "fills", "getline",
            "instructions", "is_discarded", "frame_locals", "meet", "method_call", "normalized", "on_new_code",
-           "producer_index", "quoted_call", "source_line", "span", "span_source", "trim"]
+           "parsed_call", "producer_index", "quoted_call", "source_line", "span", "span_source", "trim", "value_of"]
 
 _SNAPSHOT = sys.version_info < (3, 13)
 
@@ -779,3 +779,9 @@ class Spot:
             if start <= self.f_lasti < end:
                 break
         return line or self.f_code.co_firstlineno
+
+
+#: The call at a frame's current instruction, parsed (`_parsed_call`), and the object a name or attribute chain of
+#: it stands for in the frame (`_value`, `_UNKNOWN` when it cannot be told without running the program's code).
+parsed_call = _parsed_call
+value_of = _value

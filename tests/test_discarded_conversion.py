@@ -8,8 +8,11 @@ import io
 import multiprocessing
 import pickle
 import re
+import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +23,7 @@ from safetorch import DiscardedConversionWarning, SafetorchError
 from safetorch.checks import discarded_conversion
 from safetorch.checks.discarded_conversion import METHODS
 
-from .conftest import findings, lineno
+from .conftest import clean_env, findings, lineno
 
 
 def _text(w: warnings.WarningMessage) -> str:
@@ -616,3 +619,138 @@ def test_a_discarded_reshape_is_no_crash_note_for_a_device_mismatch() -> None:
         x.view(3, 2)
     notes = discarded_conversion.crash_notes(RuntimeError("Expected all tensors to be on the same device"))
     assert notes == []
+
+
+# -- Python 3.12+: the shape methods stay torch's own; their discarded calls are found in the bytecode ---------------
+
+MONITORED = pytest.mark.skipif(sys.version_info < (3, 12), reason="3.10/3.11 have no sys.monitoring: the shape "
+                               "methods are patched there (docs/limitations.md)")
+
+
+class _Block(torch.nn.Module):
+    """A forward written as models write it: every shape call's result used, and one discarded call that is no
+    tensor method (its code object is watched, and the call stops being reported to safetorch after its first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, c // 2).permute(2, 0, 3, 1, 4).unbind(0)
+        att = (q @ k.transpose(-2, -1)).softmax(-1)
+        self.seen.append(t)
+        return (att @ v).transpose(1, 2).reshape(b, t, c).flatten(1).unsqueeze(0).squeeze(0).t().t().expand(b, -1)
+
+
+@MONITORED
+def test_a_forward_s_shape_calls_never_enter_safetorch() -> None:
+    block, x = _Block(), torch.randn(2, 4, 8)
+    assert discarded_conversion._monitor.watching()
+    for name in discarded_conversion.SHAPES:
+        assert getattr(torch.Tensor, name) is getattr(torch._C.TensorBase, name), name  # torch's own method
+    block(x)  # the first forward: each code object is read once
+    entered: list[str] = []
+    own = safetorch.__file__.rsplit("/", 1)[0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(own):
+            entered.append(frame.f_code.co_name)
+
+    with findings() as got:
+        sys.setprofile(profile)
+        try:
+            for _ in range(3):
+                out = block(x)
+        finally:
+            sys.setprofile(None)
+    assert entered == [] and got == []
+    safetorch.uninstall()
+    try:
+        assert torch.equal(block(x), out)
+    finally:
+        safetorch.install()
+
+
+def _discard_view_in_a_loop(xs: list[torch.Tensor]) -> int:
+    for x in xs:
+        x.view(-1)
+    return lineno() - 1
+
+
+@MONITORED
+def test_a_discarded_shape_call_is_found_again_after_uninstall_and_install() -> None:
+    xs = [torch.ones(2, 3)] * 2
+    with findings() as got:
+        line = _discard_view_in_a_loop(xs)
+    assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+    safetorch.uninstall()
+    assert not discarded_conversion._monitor.watching()
+    with findings() as got:
+        _discard_view_in_a_loop(xs)  # its start was seen and disabled: nothing watches it now
+    assert got == []
+    safetorch.install()
+    from safetorch import _report
+
+    _report.reset()
+    with findings() as got:
+        _discard_view_in_a_loop(xs)
+    assert [(w.filename, w.lineno) for w in got] == [(__file__, line)]
+
+
+def test_a_discarded_shape_call_in_the_module_that_imports_safetorch_is_found_in_its_running_frame(
+        tmp_path: Any) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import numpy as np\nimport torch\nimport safetorch\n\nx = torch.ones(4, 4)\na = np.ones(4)\n"
+                      "for i in range(3):\n    a.view()\n    x.view(2, 8)\n    f = x.transpose\n    f(0, 1)\n"
+                      "print('done', x.shape)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env=clean_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "done torch.Size([4, 4])" in proc.stdout
+    assert f"{script}:9: DiscardedConversionWarning: ST001 x.view(2, 8) returns a new tensor of the new shape " \
+           "and its result is discarded; x keeps its shape. Write: x = x.view(2, 8)" in proc.stderr, proc.stderr
+    assert f"{script}:11: DiscardedConversionWarning: ST001 tensor.transpose() returns a new tensor of the new " \
+           "shape" in proc.stderr, proc.stderr
+    assert proc.stderr.count("DiscardedConversionWarning:") == 2, proc.stderr
+
+
+@MONITORED
+def test_strict_mode_raises_at_the_discarded_shape_call_with_no_frame_of_safetorch() -> None:
+    safetorch.install(strict=True)
+    x = torch.ones(2, 3)
+    line = lineno() + 2
+    with pytest.raises(SafetorchError, match=r"^ST001 x\.t\(\) returns a new tensor") as info:
+        x.t()
+    frames = [(tb.tb_frame.f_code.co_filename, tb.tb_lineno) for tb in _walk(info.value.__traceback__)]
+    assert frames[-1] == (__file__, line)
+    assert not any("/safetorch/" in f for f, _ in frames), frames
+
+
+def _walk(tb: Any) -> Iterator[Any]:
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+@MONITORED
+def test_with_no_monitoring_tool_id_free_the_shape_methods_are_patched_and_still_found() -> None:
+    safetorch.uninstall()
+    taken = [tool for tool in (3, 4) if sys.monitoring.get_tool(tool) is None]
+    for tool in taken:
+        sys.monitoring.use_tool_id(tool, "another tool")
+    try:
+        safetorch.install()
+        assert not discarded_conversion._monitor.watching()
+        assert getattr(torch.Tensor.view, "__safetorch_patch__", False)
+        x = torch.ones(2, 3)
+        with findings() as got:
+            x.view(3, 2); line = lineno()  # noqa: E702
+        assert [(w.category, w.lineno) for w in got] == [(DiscardedConversionWarning, line)]
+    finally:
+        safetorch.uninstall()
+        for tool in taken:
+            sys.monitoring.free_tool_id(tool)
+        safetorch.install()
+    assert discarded_conversion._monitor.watching()

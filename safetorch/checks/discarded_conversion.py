@@ -5,10 +5,16 @@ Each method is replaced by a `safetorch._patch.MethodPatch` (one object per meth
 torch first, unguarded, then asks the call-site reader whether the caller throws the result away (the next
 instruction is POP_TOP): one cached dict lookup per call. Only ``torch.Tensor`` is patched, so
 ``nn.Module`` methods are never touched; tensor subclasses (``nn.Parameter``) inherit the check.
+
+The shape methods (`SHAPES`) are what a model's forward calls hundreds of times a step, always using the result. On
+Python 3.12+ they stay torch's own: `safetorch._monitor` finds the calls whose result the bytecode pops, once per code
+object, and calls `_at_shape_site` there only, before torch runs the call. Where it cannot (3.10, 3.11, or no
+``sys.monitoring`` tool id free) they are patched as the conversions are.
 """
 
 from __future__ import annotations
 
+import ast
 import sys
 import weakref
 from types import FrameType
@@ -16,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .. import _callsite
-from .._callsite import MAX_ANSWERS, calls_method, is_discarded, method_call, trim
+from .. import _callsite, _monitor
+from .._callsite import MAX_ANSWERS, calls_method, is_discarded, method_call, parsed_call, trim, value_of
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
 from .._patch import MethodPatch, Registry
@@ -148,9 +154,35 @@ _kept = _callsite._kept  # {f_lasti: code} of the call sites known to use their 
 
 
 def install(registry: Registry) -> None:
-    for name in (*METHODS, *SHAPES):
+    shapes = {name: getattr(torch.Tensor, name) for name in SHAPES if hasattr(torch.Tensor, name)}
+    watched = _monitor.start(CODE, shapes, _at_shape_site)  # 3.12+: a forward's shape calls stay torch's own
+    for name in (*METHODS, *(() if watched else shapes)):
         if hasattr(torch.Tensor, name):
             registry.method(torch.Tensor, name, _Conversion, CODE)
+
+
+def uninstall() -> None:
+    _monitor.stop()
+
+
+def _at_shape_site(frame: FrameType, method: str, receiver: Any) -> None:
+    """A discarded call of a shape method, found in the bytecode (`safetorch._monitor`), before torch runs it: what
+    `_after_call` decides for a patched method, but from the receiver (a shape method returns a new tensor)."""
+    if isinstance(receiver, torch.Tensor) and not _is_compiling() and not is_internal(frame.f_code) \
+            and calls_method(frame, method) is not False:
+        nargs = _positional(frame)
+        report(CODE, frame, lambda: _message(frame, method, nargs))
+
+
+def _positional(frame: FrameType) -> int:
+    """The call's positional arguments after the tensor, as a patched method counts them (``len(args) - 1``): one
+    fewer than written for a call through the class (``torch.Tensor.view(x, 6)``)."""
+    parsed = parsed_call(frame)
+    if parsed is None:
+        return 0
+    node = parsed[0]
+    through_class = isinstance(node.func, ast.Attribute) and isinstance(value_of(frame, node.func.value), type)
+    return len(node.args) - 1 if through_class and node.args else len(node.args)
 
 
 #: Error messages of device and dtype mismatches, which a discarded conversion typically causes later.

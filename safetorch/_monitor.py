@@ -1,0 +1,204 @@
+"""Calls whose result is thrown away, found in the bytecode and watched with ``sys.monitoring`` (Python 3.12+).
+
+Design rules: a check that is about a statement alone (``x.view(2, 8)`` as a statement does nothing) needs to see
+only the calls whose result the bytecode pops, not every call of the method: a model's forward makes hundreds of
+``view``/``transpose`` calls per step, each of which a patched method would pay for (a frame and a look at the call
+site, about 3k instructions). Here the method stays torch's own, and:
+
+- each code object, the first time it starts (a ``PY_START`` event that then disables itself for that code object,
+  so that a code object costs one callback in the life of the process), is read once when its names include a
+  watched method: its ``CALL`` instructions followed by ``POP_TOP`` are its *sites*;
+- a code object with sites gets ``CALL`` events of its own (``set_local_events``): a call at an instruction that is no
+  site disables its event at once, a call at a site whose callee is no watched method and bears none of their names
+  too (``losses.append(x)``), so that only the discarded calls of a watched method keep calling back;
+- at a site whose callee is the watched method, the handler gets the user's frame (the frame executing the call,
+  before the call runs), the method's name and the receiver.
+
+The code objects already running when the watch starts (the program's module, the function that imported safetorch)
+are read then: instrumenting a code object reaches its running frames too. What was read is kept across
+`stop`/`start` (an uninstall and an install): a code object whose ``PY_START`` was disabled never reports its start
+again. Only code that is not torch's, wrapt's or safetorch's is read.
+
+One tool id of ``sys.monitoring`` is taken (4, else 3: neither is one of CPython's named ids, which debuggers,
+coverage and profilers use); none free, `start` answers False and the check patches the method instead.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dis
+import sys
+import weakref
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any
+
+from ._report import internal_error, is_internal
+from ._tracebacks import hide_own_frames
+
+AVAILABLE = sys.version_info >= (3, 12)
+DISABLE = getattr(getattr(sys, "monitoring", None), "DISABLE", None)
+
+#: ``handler(frame, method, receiver)``: at a discarded call of a watched method; strict mode raises from it.
+Handler = Callable[[FrameType, str, Any], None]
+
+_TOOL_IDS = (4, 3)
+_NAME = "safetorch"
+_MAX_CODES = 1 << 16
+_SKIP = frozenset({"CACHE", "NOP", "EXTENDED_ARG", "NOT_TAKEN"})
+
+
+class _State:
+    """The one owner of the watch's state."""
+
+    def __init__(self) -> None:
+        self.tool: int | None = None
+        self.code = ""  # the rule whose watch this is (internal errors are reported under it)
+        self.handler: Handler | None = None
+        #: id(method) -> (method, name): the watched callables, torch's own methods
+        self.methods: dict[int, tuple[Any, str]] = {}
+        self.names: frozenset[str] = frozenset()
+        #: id(code) -> (weak reference to the code object, its sites): every code object read that has sites
+        self.sites: dict[int, tuple[weakref.ref[CodeType], frozenset[int]]] = {}
+        self.at_exit = False
+
+
+_state = _State()
+
+
+def sites_of(code: CodeType) -> frozenset[int]:
+    """The offsets of the ``CALL`` instructions of ``code`` whose result the next instruction pops."""
+    found = []
+    previous = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in _SKIP:
+            continue
+        if previous is not None and ins.opname == "POP_TOP":
+            found.append(previous)
+        previous = ins.offset if ins.opname in ("CALL", "CALL_KW") else None
+    return frozenset(found)
+
+
+def _forget(key: int) -> Callable[[Any], None]:
+    sites = _state.sites
+
+    def forget(_: Any) -> None:
+        sites.pop(key, None)
+
+    return forget
+
+
+def _read(code: CodeType) -> None:
+    """Read ``code`` (once) and, when it has sites, watch its calls."""
+    key = id(code)
+    entry = _state.sites.get(key)
+    if entry is not None and entry[0]() is code:
+        return
+    if _state.names.isdisjoint(code.co_names) or is_internal(code):
+        return
+    sites = sites_of(code)
+    if not sites:
+        return
+    if len(_state.sites) > _MAX_CODES:  # bounded: generated code makes code objects without end
+        _state.sites.clear()
+    _state.sites[key] = (weakref.ref(code, _forget(key)), sites)
+    if _state.tool is not None:
+        sys.monitoring.set_local_events(_state.tool, code, sys.monitoring.events.CALL)
+
+
+def _on_start(code: CodeType, offset: int, _disable: Any = DISABLE) -> Any:
+    try:
+        _read(code)
+    except Exception as exc:
+        internal_error(_state.code, exc)
+    return _disable
+
+
+def _on_call(code: CodeType, offset: int, function: Any, arg0: Any) -> Any:
+    __tracebackhide__ = True  # noqa: F841
+    entry = _state.sites.get(id(code))
+    if entry is None or offset not in entry[1]:
+        return DISABLE
+    watched = _state.methods.get(id(function))
+    if watched is None or watched[0] is not function:
+        name = getattr(function, "__name__", None)
+        receiver = getattr(function, "__self__", None)  # a bound method called under another name: `f = x.view`
+        if name not in _state.names:
+            return DISABLE
+        if receiver is None or _state.methods.get(id(getattr(type(receiver), name, None))) is None:
+            return None  # a method of that name on something else (an array's `view`): it may be a tensor next time
+        watched, arg0 = (None, name), receiver
+    handler = _state.handler
+    if handler is None:
+        return None
+    try:
+        handler(sys._getframe(1), watched[1], arg0)
+    except Exception as exc:  # strict-mode findings pass through internal_error
+        try:
+            internal_error(_state.code, exc)
+        except BaseException as raised:
+            hide_own_frames(raised)
+            raise
+    return None
+
+
+def start(code: str, methods: dict[str, Any], handler: Handler) -> bool:
+    """Watch the discarded calls of ``methods`` (name -> torch's callable) for the rule ``code``. False when this
+    Python has no ``sys.monitoring`` or no tool id is free (the caller patches instead)."""
+    if not AVAILABLE:
+        return False
+    if _state.tool is not None:
+        stop()
+    monitoring = sys.monitoring
+    for tool in _TOOL_IDS:
+        try:
+            monitoring.use_tool_id(tool, _NAME)
+        except ValueError:  # taken by another tool
+            continue
+        break
+    else:
+        return False
+    _state.tool, _state.code, _state.handler = tool, code, handler
+    _state.methods = {id(m): (m, name) for name, m in methods.items()}
+    _state.names = frozenset(methods)
+    events = monitoring.events
+    monitoring.register_callback(tool, events.PY_START, _on_start)
+    monitoring.register_callback(tool, events.CALL, _on_call)
+    # The code objects read before (a code object reports its start once in the process): watched again.
+    for ref, _ in list(_state.sites.values()):
+        known = ref()
+        if known is not None:
+            monitoring.set_local_events(tool, known, events.CALL)
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:  # what runs now: the program's module, the function that installed safetorch
+        try:
+            _read(frame.f_code)
+        except Exception as exc:
+            internal_error(code, exc)
+        frame = frame.f_back
+    monitoring.set_events(tool, events.PY_START)
+    if not _state.at_exit:  # before the interpreter tears the modules down, which code still runs through
+        _state.at_exit = True
+        atexit.register(stop)
+    return True
+
+
+def stop() -> None:
+    """Stop watching: every event of the tool off, its callbacks and its id given back."""
+    tool = _state.tool
+    if tool is None:
+        return
+    monitoring = sys.monitoring
+    monitoring.set_events(tool, 0)
+    for ref, _ in list(_state.sites.values()):
+        known = ref()
+        if known is not None:
+            monitoring.set_local_events(tool, known, 0)
+    monitoring.register_callback(tool, monitoring.events.PY_START, None)
+    monitoring.register_callback(tool, monitoring.events.CALL, None)
+    monitoring.free_tool_id(tool)
+    _state.tool, _state.handler = None, None
+
+
+def watching() -> bool:
+    return _state.tool is not None
