@@ -88,3 +88,22 @@ def test_the_gpu_script_dry_run_executes_every_step_on_the_cpu(tmp_path: os.Path
     memory = json.loads(open(os.path.join(out, "gpu-memory.json")).read())
     assert memory["validation_with"]["bytes"] < memory["validation_without"]["bytes"]
     assert "gpt2_small:" in proc.stdout and "validation peak memory:" in proc.stdout
+
+
+def test_the_calls_bench_counts_what_each_step_enters(tmp_path: os.PathLike[str]) -> None:
+    out = os.path.join(tmp_path, "calls.json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
+    proc = subprocess.run([sys.executable, "-m", "bench.calls", "--loop", "tiny_mlp", "--loop", "gpt2_layout",
+                           "--json", out], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    with open(out) as fh:
+        mlp, gpt2 = json.load(fh)["loops"]
+    # A training + validation step pair: one backward through the patch, a loss each, one eval-mode forward.
+    assert {k: mlp["by_function"][k] for k in ("_backward.py:backward", "_losses.py:get_enum",
+                                                "checks/eval_mode_grad.py:__call__")} == {
+        "_backward.py:backward": 1.0, "_losses.py:get_enum": 2.0, "checks/eval_mode_grad.py:__call__": 1.0}
+    # GPT-2: clip_grad_norm_'s 149 `.to()` calls a step (two per parameter of 74, CPU: no foreach, and one for the
+    # clip coefficient) enter the conversion patch. The 220 shape calls a step (216 in the forwards, 4 of the loss's
+    # `view`s) do too where the shape methods are patched (3.10, 3.11), and never on 3.12+.
+    shapes = 0 if sys.version_info >= (3, 12) else 220
+    assert gpt2["by_function"]["checks/discarded_conversion.py:call"] == 149 + shapes
