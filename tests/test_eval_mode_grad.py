@@ -120,6 +120,58 @@ def test_the_decision_waits_while_the_watched_graph_is_alive() -> None:
     assert got == [] and same(on, off)
 
 
+def test_a_rollout_longer_than_the_forwards_that_hold_their_inputs_gets_every_gradient() -> None:
+    """The same rollout buffer over 8 steps (an episode longer than the `HELD` forwards that keep their inputs while
+    the site is undecided), each step's observation dropped once acted on, as REINFORCE writes it. The watched graph
+    is alive the whole time: nothing is decided, and the backward must get the gradients of the program as written,
+    not a SafetorchError saying the first forward's graph "died unused"."""
+
+    def program() -> Any:
+        torch.manual_seed(0)
+        policy = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).eval()
+        buffer = [policy(torch.randn(3, 4)).log_softmax(-1)[:, 0] for _ in range(8)]
+        torch.stack(buffer).sum().backward()
+        return [p.grad for p in policy.parameters()]
+
+    with findings() as got:
+        on, off = both(program)
+        program()
+    assert got == [] and same(on, off)
+
+
+def test_a_policy_that_samples_in_its_forward_gets_the_gradients_of_its_own_samples() -> None:
+    """An eval-mode policy whose forward samples its action (``Categorical(logits).sample()``) and returns its
+    log-probability, kept for a REINFORCE loss: eval mode is not deterministic here. A recomputation for the backward
+    must see the same random numbers as the forward (the action that was taken), and must not move the program's
+    random stream: the gradients and the next random number are those of the program without safetorch."""
+
+    class Policy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 8)
+
+        def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            dist = torch.distributions.Categorical(logits=self.net(obs))
+            action = dist.sample()
+            return action, dist.log_prob(action)
+
+    def program() -> Any:
+        torch.manual_seed(0)
+        policy = Policy().eval()
+        observations = [torch.randn(4) for _ in range(3)]
+        steps = [policy(obs) for obs in observations]
+        (-torch.stack([lp for _, lp in steps]).sum()).backward()
+        return [a for a, _ in steps], [p.grad for p in policy.parameters()], torch.rand(3)
+
+    with findings() as got:
+        on, off = both(program)
+        program()
+    assert got == []
+    assert same(on[0], off[0])  # the actions taken
+    assert same(on[1], off[1])  # the gradients of their log-probabilities
+    assert same(on[2], off[2])  # the random stream after the backward
+
+
 def test_outputs_are_those_of_the_same_program_with_no_grad() -> None:
     model = convnet().eval()
     xs = [torch.randn(2, 3, 8, 8) for _ in range(3)]
