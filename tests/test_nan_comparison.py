@@ -215,3 +215,72 @@ def test_code_without_source_warns_at_its_line_without_an_internal_error() -> No
     assert str(got[0].message).startswith(
         "ST021 this line compares with NaN: always False, since NaN equals nothing, itself included, so this NaN "
         "check never fires. Write: torch.isnan(x) for a tensor, math.isnan(v) for a number")
+
+
+NAMED_NAN = """
+import numpy as np
+import torch
+
+def train(steps):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        nan = torch.isnan(loss).item()
+        if nan == True:
+            raise RuntimeError("the loss is NaN")
+        NAN = int(torch.isnan(x).sum())
+        if NAN != 0:
+            raise RuntimeError("NaN in the inputs")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+"""
+
+
+def test_a_local_variable_named_nan_that_holds_a_check_result_is_not_a_nan(tmp_path: os.PathLike[str]) -> None:
+    """``nan = torch.isnan(loss).item()`` then ``if nan == True:`` (and a count called ``NAN`` compared with 0): the
+    name is the program's own variable, assigned in the function from an ``isnan``, not a NaN written out. The check
+    works and fires for a NaN loss; ST021 must stay silent (it reported `nan == True` with the fix
+    `math.isnan(True)`, and `NAN != 0` with `not math.isnan(0)`)."""
+    module, _ = _load(tmp_path, NAMED_NAN)
+    with findings() as got:
+        module.train(3)
+    assert [(w.category.__name__, str(w.message)[:60]) for w in got] == []
+
+
+SENTINEL = """
+import numpy as np
+import torch
+
+def train(steps):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    best = np.nan  # no best loss yet
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if best is np.nan or loss.item() < best:
+            best = loss.item()
+    return best
+"""
+
+
+def test_an_identity_check_against_the_np_nan_sentinel_the_function_assigned_is_silent(
+        tmp_path: os.PathLike[str]) -> None:
+    """``best = np.nan`` as a "no value yet" sentinel, then ``if best is np.nan or loss < best:``: the name holds the
+    very object ``np.nan`` until the first assignment, so the identity check is True exactly when it should be (the
+    program records its best loss on the first step). No NaN a computation made is compared: the message "this NaN
+    check never fires" is false for it."""
+    module, _ = _load(tmp_path, SENTINEL)
+    with findings() as got:
+        best = module.train(3)
+    assert best == best  # the sentinel was replaced on the first step
+    assert [(w.category.__name__, str(w.message)[:60]) for w in got] == []
