@@ -95,6 +95,36 @@ def test_look_alikes_stay_silent_and_train_identically() -> None:
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 
+def test_per_task_optimizers_all_stepped_after_one_tasks_backward_stay_silent() -> None:
+    """Multi-task training with one optimizer per task head, all stepped every step (``for o in opts: o.step()``),
+    while each step samples one task: the heads not sampled have no gradient this step (zero_grad(set_to_none=True)),
+    and torch skips them. Every head trains in its turn: nothing is wrong, and nothing is to report (the MoE look-alike
+    above, with an optimizer per expert instead of a param group per expert)."""
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        encoder = torch.nn.Linear(4, 8)
+        heads = torch.nn.ModuleList([torch.nn.Linear(8, 1) for _ in range(3)])
+        optimizers = [torch.optim.Adam(encoder.parameters(), lr=1e-2),
+                      *(torch.optim.Adam(h.parameters(), lr=1e-2) for h in heads)]
+        for step in range(6):
+            loss = heads[step % 3](encoder(torch.randn(5, 4))).pow(2).mean()
+            for o in optimizers:
+                o.zero_grad(set_to_none=True)
+            loss.backward()
+            for o in optimizers:
+                o.step()
+        return [p.detach().clone() for p in [*encoder.parameters(), *heads.parameters()]]
+
+    with findings() as got:
+        on = run()
+    assert [(w.category.__name__, str(w.message)[:60]) for w in got] == []
+    safetorch.uninstall()
+    off = run()
+    safetorch.install()
+    assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
+
+
 def test_strict_mode_raises_at_the_step_line_before_the_step() -> None:
     safetorch.install(strict=True)
     model = torch.nn.Linear(4, 3)
