@@ -406,6 +406,24 @@ def _frozen_batchnorm_fine_tuning() -> list[torch.Tensor]:
     return _numbers(model)
 
 
+def _batches_without_a_labelled_token_skipped() -> list[torch.Tensor]:
+    """A training loop that skips the batches it cannot learn from: every label is ``ignore_index`` (all padding),
+    so cross_entropy is NaN, and the loop goes on to the next batch without a backward (three such batches in a row
+    here). The line is the training step's forward: a backward goes through it at the other steps."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data()
+    for step in range(8):
+        labels = torch.full_like(y, -100) if step in (2, 3, 4) else y
+        loss = F.cross_entropy(model(x + step), labels, ignore_index=-100)
+        if torch.isnan(loss):
+            continue
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _numbers(model)
+
+
 LOOK_ALIKES: dict[str, Callable[[], list[torch.Tensor]]] = {
     "training forwards": _training_only,
     "an evaluation under eval() and no_grad": _evaluation_done_right,
@@ -419,6 +437,7 @@ LOOK_ALIKES: dict[str, Callable[[], list[torch.Tensor]]] = {
     "an RL rollout of a policy without such layers": _rollout_policy_without_such_layers,
     "input gradients by torch.autograd.grad": _gradient_of_the_outputs_by_autograd_grad,
     "frozen-BatchNorm fine-tuning": _frozen_batchnorm_fine_tuning,
+    "batches without a labelled token skipped at the training line": _batches_without_a_labelled_token_skipped,
 }
 
 
