@@ -1302,7 +1302,8 @@ def test_strict_mode_leaves_a_decision_made_elsewhere_to_the_forwards_own_line()
 
 def test_a_collecting_evaluation_keeps_no_activation_and_lets_go_of_its_inputs() -> None:
     """``outs.append(model(x))``: the watched first forward keeps its graph (the program holds it); every later one
-    keeps what no_grad keeps, and holds no more than `HELD` inputs while nothing is decided."""
+    keeps what no_grad keeps, and, while nothing is decided, holds its inputs only while the forwards before the
+    newest hold at most `HELD_BYTES` of them (small batches here: all nine; the next test has large ones)."""
     model = convnet().eval()
     inputs, kept, outs = [], [], []
     with findings():
@@ -1316,7 +1317,8 @@ def test_a_collecting_evaluation_keeps_no_activation_and_lets_go_of_its_inputs()
     assert kept == [True] + [False] * 9
     assert all(o.grad_fn is not None for o in outs)
     alive = sum(r() is not None for r in inputs)
-    assert alive == eval_mode_grad._eval_act.HELD  # the newest four (the watched graph holds its input's storage)
+    assert alive == 9  # the nine after the watched one (whose graph holds only its input's storage): 13.8 kB in all
+    assert 8 * inputs[-1]().nbytes <= eval_mode_grad._eval_act.HELD_BYTES
 
 
 def test_a_collecting_evaluation_of_large_batches_holds_only_the_newest_forwards_inputs() -> None:

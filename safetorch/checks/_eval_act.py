@@ -5,14 +5,15 @@ tensors, at any depth of a tuple, list, dict, dataclass or ``ModelOutput``, are 
 node (`SafetorchEvaluation`) whose inputs are the module's parameters: the program gets the same values in the same
 structure, each tensor with a ``grad_fn``, as it would without safetorch. The node saves no tensor. A backward that
 reaches it after all recomputes the forward with grad from its inputs and hands the parameters the gradients the
-program would have had (eval mode is deterministic). Its inputs are held weakly: if the program dropped them, or
-changed them or the parameters in place since, the backward raises `SafetorchError` with what safetorch did and what
-to write, at the program's ``backward()`` line. While a site is not decided yet (the watched graph is alive: a
-rollout buffer, outputs kept for a later loss) its newest forward holds its inputs strongly, and so do up to
-``HELD - 1`` forwards before it while their inputs total at most `HELD_BYTES` (a policy's observations, not a
-validation loader's batches: what the act keeps stays no_grad's plus the watched graph and one forward's inputs), so
-that such a backward recomputes them; once decided, its newest forward does (a backward right after a forward: a
-gradient diagnostic every few batches).
+program would have had: a forward that drew random numbers (a policy sampling its action) is recomputed from the
+generators' states it started with, and the program's random stream is left as it was. Its inputs are held weakly:
+if the program dropped them, or changed them or the parameters in place since, the backward raises `SafetorchError`
+with what safetorch did and what to write, at the program's ``backward()`` line. While a site is not decided yet
+(the watched graph is alive: a rollout buffer, outputs kept for a later loss) its newest forward holds its inputs
+strongly, and so do the forwards before it while their inputs total at most `HELD_BYTES` (a policy's
+observations, not a validation loader's batches: what the act keeps stays no_grad's plus the watched graph and one
+forward's inputs), so that such a backward recomputes them; once decided, its newest forward does (a backward right
+after a forward: a gradient diagnostic every few batches).
 
 Why not ``torch.utils.checkpoint``: it keeps each forward's inputs and an autograd node per operation alive as long
 as its output (a collected evaluation kept about twice no_grad's heap bytes: ``bench/README.md``), and its first call
@@ -32,7 +33,7 @@ import torch
 
 from .._exceptions import SafetorchError
 
-HELD = 4  # forwards of a site not decided yet that hold their inputs, the newest
+HELD = 1 << 16  # forwards of a site not decided yet that may hold their inputs (HELD_BYTES is what bounds them)
 HELD_BYTES = 1 << 20  # what the forwards before the newest may hold of their inputs, at most
 _BUDGET = 1_000  # objects looked at in a forward's inputs or output
 
@@ -50,7 +51,7 @@ class Frame:
     """What a backward needs to recompute one forward: held by its `SafetorchEvaluation` node, so it lives as long as
     the output's graph. Never the output itself (a cycle through the node)."""
 
-    __slots__ = ("module", "args", "kwargs", "held", "nbytes", "versions", "params", "reached", "message",
+    __slots__ = ("module", "args", "kwargs", "held", "nbytes", "versions", "params", "reached", "message", "rng",
                  "__weakref__")
 
     def __init__(self, module: torch.nn.Module, args: Any, kwargs: Any, params: list[torch.Tensor],
@@ -64,6 +65,9 @@ class Frame:
         self.params = (len(params), _ids(params), sum(p._version for p in params))
         self.reached = reached
         self.message = message
+        #: The random number generators' states before the forward, when the forward drew from them (a policy that
+        #: samples its action): the recomputation draws the same numbers, and leaves the program's stream as it was.
+        self.rng: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None = None
 
     def recompute(self) -> tuple[torch.nn.Module, list[torch.Tensor], list[torch.Tensor]]:
         """(module, the recomputed forward's tensors in the grafted slots, the parameters they go to)."""
@@ -86,8 +90,16 @@ class Frame:
             tensor = ref()
             if tensor is not None and tensor._version != version:
                 raise SafetorchError(self.message("its inputs were changed in place since"), code="ST003")
-        with torch.enable_grad():
-            output = _call_impl(module, *args, **kwargs)
+        if self.rng is None:
+            with torch.enable_grad():
+                output = _call_impl(module, *args, **kwargs)
+        else:
+            cpu, devices = self.rng
+            with torch.random.fork_rng(devices=[d for d, _ in devices]), torch.enable_grad():
+                torch.set_rng_state(cpu)
+                for device, state in devices:
+                    torch.cuda.set_rng_state(state, device)
+                output = _call_impl(module, *args, **kwargs)
         inputs = {id(t) for t in _tensors((args, kwargs))}
         found: list[torch.Tensor] = []
         _walk(output, inputs, found, None, [_BUDGET])
@@ -131,11 +143,12 @@ def requires_grad(args: Any, kwargs: Any) -> bool:
 
 
 def run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], reached: Callable[[], None],
-        message: Callable[[str], str], held: collections.deque[Frame]) -> Any:
+        message: Callable[[str], str], held: Held) -> Any:
     """The forward under no_grad, its output grafted (see the module's docstring). ``held``: the site's newest frames,
     which hold their inputs (a bounded deque). Raises `Opaque`, after the forward ran, when the
     output cannot be grafted."""
     __tracebackhide__ = True  # noqa: F841
+    rng = _rng_states(module)
     previous = _is_grad_enabled()
     _set_grad(False)
     try:
@@ -150,10 +163,15 @@ def run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     if not found or not params:
         return output
     frame = Frame(module, args, kwargs, params, reached, message)
+    frame.rng = _drawn(rng)
     frame.held = (args, kwargs)
     frame.nbytes = sum(t.nbytes for t in tensors)
+    if held:
+        newest = held[-1]
+        if newest.held is not None:
+            held.older += newest.nbytes  # an older forward now
     if len(held) == held.maxlen:
-        held[0].held = None
+        _let_go(held)
     held.append(frame)
     _within(held)
     grafted = SafetorchEvaluation.apply(frame, len(found), *found, *params)
@@ -161,21 +179,55 @@ def run(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     return _walk(output, inputs, None, replace, [_BUDGET])
 
 
-def _within(held: collections.deque[Frame]) -> None:
+def _rng_states(module: torch.nn.Module) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+    """The CPU generator's state, and the CUDA generators' of the devices the module's parameters are on (read on the
+    host: no synchronisation), as ``torch.utils.checkpoint`` keeps them."""
+    devices: list[tuple[int, torch.Tensor]] = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        indices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
+        devices = [(i, torch.cuda.get_rng_state(i)) for i in indices]
+    return torch.get_rng_state(), devices
+
+
+def _drawn(before: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]
+           ) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]] | None:
+    """``before`` when the forward drew random numbers (a generator's state moved), else None: a deterministic
+    forward keeps nothing (a 5 kB state for each of an evaluation's outputs would be memory no_grad does not keep)."""
+    cpu, devices = before
+    if not torch.equal(cpu, torch.get_rng_state()):
+        return before
+    if any(not torch.equal(state, torch.cuda.get_rng_state(i)) for i, state in devices):
+        return before
+    return None
+
+
+class Held(collections.deque):  # type: ignore[type-arg]
+    """A site's newest forwards that hold their inputs, oldest first; ``older``: the bytes the ones before the newest
+    hold. A forward that lets go of its inputs leaves it, so that keeping it within bounds is O(1) a forward."""
+
+    def __init__(self, maxlen: int) -> None:
+        super().__init__((), maxlen)
+        self.older = 0
+
+
+def _let_go(held: Held) -> None:
+    frame = held.popleft()
+    if frame.held is not None:
+        frame.held = None
+        held.older -= frame.nbytes
+
+
+def _within(held: Held) -> None:
     """The forwards before the newest let go of their inputs, oldest first, until they hold at most `HELD_BYTES`."""
-    total = sum(f.nbytes for f in list(held)[:-1] if f.held is not None)
-    for f in list(held)[:-1]:
-        if total <= HELD_BYTES:
-            return
-        if f.held is not None:
-            f.held = None
-            total -= f.nbytes
+    while held.older > HELD_BYTES and len(held) > 1:
+        _let_go(held)
 
 
-def release(held: collections.deque[Frame]) -> None:
+def release(held: Held) -> None:
     """The site is decided: its frames let go of their inputs."""
     while held:
         held.popleft().held = None
+    held.older = 0
 
 
 def _grafted(t: torch.Tensor, inputs: set[int]) -> bool:

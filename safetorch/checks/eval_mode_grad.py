@@ -19,8 +19,8 @@ a site, and this is known before any site is looked up):
    (`_eval_act`): the program's numbers and structure, each tensor with a ``grad_fn``, keeping what no_grad keeps; a
    backward that reaches one recomputes it from its inputs (or, if they are gone, raises an explained
    `SafetorchError`), and the site runs as written from then on. While the watched graph lives (a rollout buffer,
-   outputs kept for a later loss) nothing is decided and the newest forwards hold their inputs (the newest, and up
-   to `_eval_act.HELD` while the older ones' inputs are small: `_eval_act.HELD_BYTES`); once
+   outputs kept for a later loss) nothing is decided and the newest forwards hold their inputs (the newest, and the
+   older ones while their inputs total at most `_eval_act.HELD_BYTES`); once
    decided, the newest forward holds its inputs (a backward right after it, a diagnostic every few batches). The
    site is an evaluation (ST003) when the evidence arrives: the watched graph died unused (a weak reference's
    callback on the hook object its nodes hold; reported at the next forward at that line, which raises in strict
@@ -57,7 +57,6 @@ Design rules:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import os
@@ -170,7 +169,7 @@ class _Site:
         self.due = False  # training the module in eval mode is known to be ST008's finding
         self.opaque = False  # its output holds tensors the act cannot graft: as written
         #: While nothing is decided: the newest forwards that hold their inputs, for a backward that may still come.
-        self.held: collections.deque[_eval_act.Frame] = collections.deque(maxlen=_eval_act.HELD)
+        self.held = _eval_act.Held(_eval_act.HELD)
 
     def needs_grad(self, reason: str) -> None:
         if self.needs is None:
@@ -718,7 +717,7 @@ def _evaluation(site: _Site, guard: _Guard | None) -> None:
     if guard is not None:
         guard.evaluated = True
     _eval_act.release(site.held)
-    site.held = collections.deque(maxlen=1)  # the newest forward's inputs: a backward right after it recomputes it
+    site.held = _eval_act.Held(1)  # the newest forward's inputs: a backward right after it recomputes it
 
 
 #: Sites whose watched graph died unused, told by the weak reference's callback (which only appends: it runs wherever
