@@ -20,7 +20,7 @@ from __future__ import annotations
 import ast
 import dis
 import sys
-from types import CodeType, FrameType
+from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 from .. import _backward, _callsite
@@ -86,13 +86,62 @@ def _name_of(ins: dis.Instruction) -> Any:
     return ins.argval[-1] if isinstance(ins.argval, tuple) else ins.argval
 
 
-def _is_nan(instructions: list[dis.Instruction], j: int | None) -> bool:
+_LOCAL = frozenset({"LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_FAST_BORROW", "LOAD_DEREF", "LOAD_CLASSDEREF"})
+_STORES = frozenset({"STORE_FAST", "STORE_NAME", "STORE_GLOBAL", "STORE_DEREF"})
+_UNBOUND = object()
+
+
+def _names_a_nan(instructions: list[dis.Instruction], j: int, module_globals: dict[str, Any] | None) -> bool:
+    """A load of a name spelled as NaN is NaN written out (``from math import nan``) unless the name is the program's
+    own variable: a local (``nan = torch.isnan(loss).item()`` in a function), a name this code object assigns
+    something else to (the same line in a script), a global bound to something that is no NaN, or an attribute of
+    an object that is not a module (``self.nan``, a flag)."""
+    ins = instructions[j]
+    name = _name_of(ins)
+    if ins.opname in _LOAD_ATTR:
+        base = _real(instructions, j - 1)
+        owner = instructions[base] if base >= 0 else None
+        if owner is not None and owner.opname in _LOCAL:
+            return False  # `self.nan`, `stats.nan`: an attribute of a local object
+        if owner is not None and owner.opname in _LOAD_NAME and module_globals is not None:
+            value = module_globals.get(_name_of(owner), _UNBOUND)
+            return value is _UNBOUND or isinstance(value, ModuleType)
+        return True
+    if ins.opname in _LOCAL:
+        return False
+    for k, other in enumerate(instructions):
+        if other.opname in _STORES and _name_of(other) == name and \
+                not _is_nan(instructions, producer_index(instructions, k, 0)) and \
+                not _imports_a_nan(instructions, producer_index(instructions, k, 0)):
+            return False  # the code assigns it something computed: `nan = torch.isnan(loss).item()`
+    value = module_globals.get(name, _UNBOUND) if module_globals is not None else _UNBOUND
+    return value is _UNBOUND or (isinstance(value, float) and value != value)
+
+
+def _imports_a_nan(instructions: list[dis.Instruction], j: int | None) -> bool:
+    """``from math import nan`` (``from numpy import NaN``): the store's value is the module's NaN."""
+    return j is not None and j >= 0 and instructions[j].opname == "IMPORT_FROM" and \
+        _name_of(instructions[j]) in NAN_NAMES
+
+
+def _sentinel(instructions: list[dis.Instruction], j: int | None) -> bool:
+    """Is the instruction at ``j`` a load of a name that this code object assigns a NaN written out to (``best =
+    np.nan``, a "no value yet" sentinel)? Compared with ``is``, it is the very object: the check works."""
+    if j is None or j < 0 or instructions[j].opname not in _LOAD_NAME:
+        return False
+    name = _name_of(instructions[j])
+    return any(other.opname in _STORES and _name_of(other) == name and
+               _is_nan(instructions, producer_index(instructions, k, 0)) for k, other in enumerate(instructions))
+
+
+def _is_nan(instructions: list[dis.Instruction], j: int | None,
+            module_globals: dict[str, Any] | None = None) -> bool:
     """Does the instruction at ``j`` push a NaN written out in the source?"""
     if j is None or j < 0:
         return False
     ins = instructions[j]
     if ins.opname in _LOAD_ATTR or ins.opname in _LOAD_NAME:
-        return _name_of(ins) in NAN_NAMES
+        return _name_of(ins) in NAN_NAMES and _names_a_nan(instructions, j, module_globals)
     if ins.opname in _CALLS and ins.arg == 1:
         k = _real(instructions, j - 1)
         const = instructions[k] if k >= 0 else None
@@ -116,16 +165,20 @@ def _comparison(ins: dis.Instruction) -> str | None:
     return None
 
 
-def scan(code: CodeType) -> list[tuple[int, str]]:
-    """The comparisons with a NaN in ``code`` (not its nested code objects): (instruction offset, operator)."""
+def scan(code: CodeType, module_globals: dict[str, Any] | None = None) -> list[tuple[int, str]]:
+    """The comparisons with a NaN in ``code`` (not its nested code objects): (instruction offset, operator).
+    ``module_globals``: the code's module namespace, where a global name spelled as NaN is looked up."""
     instructions = _callsite.instructions(code)
     found: list[tuple[int, str]] = []
     for i, ins in enumerate(instructions):
         op = _comparison(ins)
         if op is not None:
-            if _is_nan(instructions, producer_index(instructions, i, 0)) or \
-                    _is_nan(instructions, producer_index(instructions, i, 1)):
-                found.append((ins.offset, op))
+            right, left = producer_index(instructions, i, 0), producer_index(instructions, i, 1)
+            for nan, other in ((right, left), (left, right)):
+                if _is_nan(instructions, nan, module_globals):
+                    if not (op.startswith("is") and _sentinel(instructions, other)):
+                        found.append((ins.offset, op))
+                    break
         elif ins.opname in _CALLS and ins.arg:
             start = i - 1 if instructions[i - 1].opname == "PRECALL" else i
             callee = producer_index(instructions, start, ins.arg)
@@ -135,7 +188,8 @@ def scan(code: CodeType) -> list[tuple[int, str]]:
                 callee = producer_index(instructions, start, ins.arg + 1)
             if callee is not None and instructions[callee].opname in _LOAD_ATTR and \
                     _name_of(instructions[callee]) in _EQUALITIES and \
-                    any(_is_nan(instructions, producer_index(instructions, start, d)) for d in range(ins.arg)):
+                    any(_is_nan(instructions, producer_index(instructions, start, d), module_globals)
+                        for d in range(ins.arg)):
                 found.append((ins.offset, _name_of(instructions[callee])))
     return found
 
@@ -163,7 +217,7 @@ def _read(frame: FrameType) -> None:
             if len(read) > MAX_CODES:
                 read.clear()
             read[id(c)] = c
-            for offset, op in scan(c):
+            for offset, op in scan(c, frame.f_globals):
                 spot = Spot.at(c, offset, frame.f_globals)
                 report_at(CODE, c.co_filename, spot.f_lineno, frame.f_globals,
                           lambda s=spot, o=op: _message(s, o))
