@@ -441,7 +441,17 @@ LOOK_ALIKES: dict[str, Callable[[], list[torch.Tensor]]] = {
 }
 
 
-@pytest.mark.parametrize("name", LOOK_ALIKES)
+#: Known false findings, kept as tests that fail until they are fixed (each is in docs/limitations.md).
+KNOWN_FALSE = {
+    "batches without a labelled token skipped at the training line": (
+        "ST019 takes forwards with no backward between them, at one line, for an evaluation: the line's earlier "
+        "forwards, which backwards went through, are seen on the fast path that reads no frame, so the line is not "
+        "known to be a training line"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_FALSE[n]))
+                                  if n in KNOWN_FALSE else n for n in LOOK_ALIKES])
 def test_a_look_alike_stays_silent_with_the_same_numbers(name: str) -> None:
     got, same = on_and_off(LOOK_ALIKES[name])
     assert [str(w.message)[:60] for w in got] == []

@@ -95,6 +95,9 @@ def test_look_alikes_stay_silent_and_train_identically() -> None:
     assert all(torch.equal(a, b) for a, b in zip(on, off, strict=True))
 
 
+@pytest.mark.xfail(strict=True, reason="known false finding (docs/limitations.md): a step with no gradient is "
+                   "reported at once, and one step cannot tell a head whose task was not sampled from an optimizer "
+                   "over tensors the loss never uses")
 def test_per_task_optimizers_all_stepped_after_one_tasks_backward_stay_silent() -> None:
     """Multi-task training with one optimizer per task head, all stepped every step (``for o in opts: o.step()``),
     while each step samples one task: the heads not sampled have no gradient this step (zero_grad(set_to_none=True)),
