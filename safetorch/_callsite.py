@@ -28,7 +28,7 @@ from inspect import CO_OPTIMIZED
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "fills", "getline",
+__all__ = ["Spot", "accumulates", "call_source", "callee", "calls_method", "clear", "discards", "fills", "getline",
            "instructions", "is_discarded", "frame_locals", "meet", "method_call", "normalized", "on_new_code",
            "parsed_call", "producer_index", "quoted_call", "source_line", "span", "span_source", "trim", "value_of"]
 
@@ -166,6 +166,14 @@ def is_discarded(frame: FrameType) -> bool:
     if _readers:
         meet(frame)
     return _discarded_slow(code, frame.f_lasti)
+
+
+def discards(code: CodeType, lasti: int) -> bool:
+    """`is_discarded` for the call at ``lasti`` of ``code`` read ahead of it (no frame runs it yet), cached alike."""
+    entry = _discarded.get(id(code) + lasti)
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    return _discarded_slow(code, lasti)
 
 
 def _discarded_slow(code: CodeType, lasti: int) -> bool:

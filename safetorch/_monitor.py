@@ -7,7 +7,7 @@ site, about 3k instructions). Here the method stays torch's own, and:
 
 - each code object, the first time it starts (a ``PY_START`` event that then disables itself for that code object,
   so that a code object costs one callback in the life of the process), is read once when its names include a
-  watched method: its ``CALL`` instructions followed by ``POP_TOP`` are its *sites*;
+  watched method: its calls whose result is thrown away, as the call-site reader tells it, are its *sites*;
 - a code object with sites gets ``CALL`` events of its own (``set_local_events``): a call at an instruction that is no
   site disables its event at once, a call at a site whose callee is no watched method and bears none of their names
   too (``losses.append(x)``), so that only the discarded calls of a watched method keep calling back;
@@ -26,13 +26,13 @@ coverage and profilers use); none free, `start` answers False and the check patc
 from __future__ import annotations
 
 import atexit
-import dis
 import sys
 import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+from ._callsite import discards, instructions
 from ._report import internal_error, is_internal
 from ._tracebacks import hide_own_frames
 
@@ -45,7 +45,7 @@ Handler = Callable[[FrameType, str, Any], None]
 _TOOL_IDS = (4, 3)
 _NAME = "safetorch"
 _MAX_CODES = 1 << 16
-_SKIP = frozenset({"CACHE", "NOP", "EXTENDED_ARG", "NOT_TAKEN"})
+_CALLS = frozenset({"CALL", "CALL_KW"})
 
 
 class _State:
@@ -67,16 +67,10 @@ _state = _State()
 
 
 def sites_of(code: CodeType) -> frozenset[int]:
-    """The offsets of the ``CALL`` instructions of ``code`` whose result the next instruction pops."""
-    found = []
-    previous = None
-    for ins in dis.get_instructions(code):
-        if ins.opname in _SKIP:
-            continue
-        if previous is not None and ins.opname == "POP_TOP":
-            found.append(previous)
-        previous = ins.offset if ins.opname in ("CALL", "CALL_KW") else None
-    return frozenset(found)
+    """The offsets of the calls of ``code`` whose result is thrown away, as the call-site reader tells a discard
+    (`safetorch._callsite.discards`: popped, or echoed by a notebook line that ends with ``;``)."""
+    return frozenset(ins.offset for ins in instructions(code)
+                     if ins.opname in _CALLS and discards(code, ins.offset))
 
 
 def _forget(key: int) -> Callable[[Any], None]:

@@ -754,3 +754,17 @@ def test_with_no_monitoring_tool_id_free_the_shape_methods_are_patched_and_still
             sys.monitoring.free_tool_id(tool)
         safetorch.install()
     assert discarded_conversion._monitor.watching()
+
+
+def test_a_shape_call_echoed_but_quieted_by_a_semicolon_is_a_discard(tmp_path: Any) -> None:
+    """A notebook's last line ``x.view(3, 2);``: compiled to be echoed, and the ``;`` shows nothing, so the result
+    is thrown away. Found as the patched methods find it, on the Pythons where the shape methods are not patched."""
+    cell = tmp_path / "cell.py"
+    cell.write_text("x.view(3, 2);\n")
+    x = torch.ones(2, 3)
+    with findings() as got:
+        exec(compile(cell.read_text(), str(cell), "single"), {"x": x})
+    assert [(w.category, w.filename, w.lineno, _text(w)) for w in got] == [
+        (DiscardedConversionWarning, str(cell), 1,
+         "ST001 x.view(3, 2) returns a new tensor of the new shape and its result is discarded; x keeps its shape. "
+         "Write: x = x.view(3, 2)")]

@@ -183,7 +183,7 @@ def _rng_states(module: torch.nn.Module) -> tuple[torch.Tensor, list[tuple[int, 
     """The CPU generator's state, and the CUDA generators' of the devices the module's parameters are on (read on the
     host: no synchronisation), as ``torch.utils.checkpoint`` keeps them."""
     devices: list[tuple[int, torch.Tensor]] = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # a bool: no device query on a forward
         indices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
         devices = [(i, torch.cuda.get_rng_state(i)) for i in indices]
     return torch.get_rng_state(), devices

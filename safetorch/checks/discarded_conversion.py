@@ -140,8 +140,7 @@ def _after_call(frame: FrameType, method: str, nargs: int, result: Any, receiver
     if not is_discarded(frame):
         trim(_kept, MAX_ANSWERS)
         _kept[frame.f_lasti] = frame.f_code
-    elif not _is_compiling() and isinstance(result, torch.Tensor) and not is_internal(frame.f_code) \
-            and calls_method(frame, method) is not False:
+    elif isinstance(result, torch.Tensor) and _reportable(frame, method):
         itself = result is receiver
         if isinstance(receiver, torch.Tensor):  # the tensor left unconverted, for a crash note (`crash_notes`)
             trim(_unconverted, MAX_ANSWERS)
@@ -165,11 +164,16 @@ def uninstall() -> None:
     _monitor.stop()
 
 
+def _reportable(frame: FrameType, method: str) -> bool:
+    """A discarded call of ``method`` that is the program's: not traced by dynamo, not torch's own code, and the line
+    calls that method (not a key function called from C: ``ts.sort(key=torch.Tensor.float)``)."""
+    return not _is_compiling() and not is_internal(frame.f_code) and calls_method(frame, method) is not False
+
+
 def _at_shape_site(frame: FrameType, method: str, receiver: Any) -> None:
     """A discarded call of a shape method, found in the bytecode (`safetorch._monitor`), before torch runs it: what
     `_after_call` decides for a patched method, but from the receiver (a shape method returns a new tensor)."""
-    if isinstance(receiver, torch.Tensor) and not _is_compiling() and not is_internal(frame.f_code) \
-            and calls_method(frame, method) is not False:
+    if isinstance(receiver, torch.Tensor) and _reportable(frame, method):
         nargs = _positional(frame)
         report(CODE, frame, lambda: _message(frame, method, nargs))
 
