@@ -3,10 +3,16 @@ tensor it starts from).
 
 Design rules: ``Tensor.backward`` calls ``torch.autograd.backward``, so patching that single function sees every
 backward, and one layer is all a training step pays: a plain function put in place by `Registry.replace`, since
-every training step calls it. A check adds a listener at install and removes it at uninstall; the patch lives as
-long as one listener does. A listener gets the tensors the backward starts from; when it has a finding it asks
-`caller` for the frame that called ``torch.autograd.backward`` (materialising a frame object costs, so the common
-case never does).
+every training step calls it. A check adds a listener while it has something to do at a backward and removes it
+after; the patch lives as long as one listener (or a record of the `recent` backwards) does. A listener gets the
+tensors the backward starts from; when it has a finding it asks `caller` for the frame that called
+``torch.autograd.backward`` (materialising a frame object costs, so the common case never does).
+
+A listener is a Python call on every backward (about 2k instructions, with the compile check that must precede the
+first: measured), so what every backward needs is done by the patch itself: it counts the backwards (`count`), keeps
+weak references to the tensors of the last few (`recent`, for the checks that `record`), and asks a *sampled*
+listener's schedule (one ``next()`` in C) before it calls that listener: a check that looks at one backward in
+many is called only for those.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import inspect
 import itertools
 import sys
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -37,6 +45,19 @@ OnError = Callable[[RuntimeError], BaseException | None]
 _before: dict[str, Before] = {}
 _on_error: dict[str, OnError] = {}
 _before_now: tuple[Before, ...] = ()  # the listeners as a tuple: what every backward iterates
+#: Sampled listeners: called for a backward from a tensor only when ``next(schedule)`` is True (for one from a
+#: sequence of tensors, always). code -> (listener, the function that makes its schedule).
+_sampled: dict[str, tuple[Before, Callable[[], Iterator[bool]]]] = {}
+_sampled_now: tuple[Before, ...] = ()
+_schedule: Iterator[bool] = itertools.repeat(False)
+#: Whether any listener stands: the one test the patch makes before the compile check.
+_listening = False
+#: The checks that `record`; while one does, `recent` holds weak references to the tensors the last backwards
+#: started from (a tensor's, one per backward: no callback, no frame).
+_recording: set[str] = set()
+recent: deque[weakref.ref[torch.Tensor]] = deque(maxlen=8)
+_ref = weakref.ref
+_Tensor = torch.Tensor
 _tensor_backward_code = torch.Tensor.backward.__code__
 _next = next
 
@@ -50,6 +71,7 @@ _countdown: Iterator[int] = _NEVER
 count = 0
 _on_due: Callable[[], None] | None = None
 _dynamo_compiling = dynamo_compiling
+_recent_append = recent.append
 _flags = compile_flags
 
 
@@ -90,9 +112,18 @@ def _dispatch_known(original: Any) -> Any:
             count += 1
             if _next(_countdown, None) is None:
                 _call_due()
-            if _before_now and not (_dynamo_compiling() or _flags._is_compiling_flag):  # see _compat.dynamo_compiling
-                for before in _before_now:
-                    before(tensors)  # each listener guards its own logic; strict mode raises here
+            if (_listening or _recording) and not (_dynamo_compiling() or _flags._is_compiling_flag):  # _compat
+                if _recording:
+                    if isinstance(tensors, _Tensor):
+                        _recent_append(_ref(tensors))
+                    else:
+                        _record_many(tensors)
+                if _listening:
+                    for before in _before_now:
+                        before(tensors)  # each listener guards its own logic; strict mode raises here
+                    if _sampled_now and (not isinstance(tensors, _Tensor) or _next(_schedule)):
+                        for before in _sampled_now:
+                            before(tensors)
             if not _on_error:
                 return original(tensors, grad_tensors, retain_graph, create_graph, grad_variables, inputs)
             try:
@@ -120,10 +151,8 @@ def _dispatch_any(original: Any) -> Any:
             count += 1
             if _next(_countdown, None) is None:
                 _call_due()
-            if _before_now and not (_dynamo_compiling() or _flags._is_compiling_flag):  # see _compat.dynamo_compiling
-                tensors = args[0] if args else kwargs.get("tensors")
-                for before in _before_now:
-                    before(tensors)
+            if (_listening or _recording) and not (_dynamo_compiling() or _flags._is_compiling_flag):  # _compat
+                _before_backward(args[0] if args else kwargs.get("tensors"))
             try:
                 return original(*args, **kwargs)
             except RuntimeError as error:
@@ -136,6 +165,25 @@ def _dispatch_any(original: Any) -> Any:
             raise
 
     return backward
+
+
+def _before_backward(tensors: Any) -> None:
+    """What `_dispatch_known`'s patch does inline before torch's backward, for `_dispatch_any`'s."""
+    if _recording:
+        _record_many((tensors,) if isinstance(tensors, _Tensor) else tensors)
+    if _listening:
+        for before in _before_now:
+            before(tensors)
+        if _sampled_now and (not isinstance(tensors, _Tensor) or _next(_schedule)):
+            for before in _sampled_now:
+                before(tensors)
+
+
+def _record_many(tensors: Any) -> None:
+    try:
+        recent.extend(_ref(t) for t in tuple(tensors or ()) if isinstance(t, _Tensor))
+    except TypeError:
+        pass  # not a sequence of tensors: torch raises its own error next
 
 
 def _replacement(error: RuntimeError) -> BaseException | None:
@@ -176,27 +224,63 @@ def call_after(backwards: int, callback: Callable[[], None]) -> None:
 def cancel_call() -> None:
     global _countdown, _on_due
     _countdown, _on_due = _NEVER, None
-    _update()
-
-
-def _update() -> None:
-    if not _before and not _on_error and _on_due is None:
+    if not (_listening or _on_error or _recording):
         registry.restore(GROUP)
 
 
-def listen(code: str, before: Before | None = None, on_error: OnError | None = None) -> None:
-    global _before_now
+def _update() -> None:
+    global _before_now, _sampled_now, _listening
+    _before_now = tuple(_before.values())
+    _sampled_now = tuple(before for before, _ in _sampled.values())
+    _listening = bool(_before_now or _sampled_now)
+    if _listening or _on_error or _on_due is not None or _recording:
+        registry.replace(torch.autograd, "backward", _dispatch, GROUP)
+    else:
+        registry.restore(GROUP)
+
+
+def listen(code: str, before: Before | None = None, on_error: OnError | None = None,
+           schedule: Callable[[], Iterator[bool]] | None = None) -> None:
+    """``before`` is called before every backward; with ``schedule``, only before those from a tensor for which the
+    schedule it makes answers True (and every one from a sequence of tensors). One schedule stands for all the
+    sampled listeners: the last one given."""
+    global _schedule
     if before is not None:
-        _before[code] = before
+        if schedule is not None:
+            _sampled[code] = (before, schedule)
+            _schedule = schedule()
+        else:
+            _before[code] = before
     if on_error is not None:
         _on_error[code] = on_error
-    _before_now = tuple(_before.values())
-    registry.replace(torch.autograd, "backward", _dispatch, GROUP)
+    _update()
 
 
 def unlisten(code: str) -> None:
-    global _before_now
     _before.pop(code, None)
+    _sampled.pop(code, None)
     _on_error.pop(code, None)
-    _before_now = tuple(_before.values())
     _update()
+
+
+def restart_schedule() -> None:
+    """The sampled listeners' schedule from its start again (a new process's, for the tests and the bench)."""
+    global _schedule
+    for _, schedule in list(_sampled.values())[-1:]:
+        _schedule = schedule()
+
+
+def record(code: str, on: bool = True) -> None:
+    """While a check records, `recent` keeps weak references to the tensors the last backwards started from."""
+    if on:
+        _recording.add(code)
+    else:
+        _recording.discard(code)
+        if not _recording:
+            recent.clear()
+    _update()
+
+
+def was_recent(tensor: torch.Tensor) -> bool:
+    """Whether one of the last backwards (`recent`) started from ``tensor``."""
+    return any(ref() is tensor for ref in recent)

@@ -4,7 +4,7 @@ A check that needs a device tensor's value (is the loss finite? is the AMP scale
 a 0-dim tensor, or one of two elements, to `check` with a callback. On the CPU the value is read at once and the
 callback runs. On an accelerator the value is copied without blocking into a slot of a small ring of host memory
 (pinned, allocated once per device), an event is recorded after the copy on the tensor's current stream, and the
-callback runs when `poll` finds that event completed: ST006 polls at each backward it looks at (`looks`), and what
+callback runs when `poll` finds that event completed: ST006 polls at each backward it looks at (`schedule`), and what
 is still pending is waited for at exit. A slot is never read before its event has completed, so the program's stream
 never waits for safetorch; the per-step work is the copy, the event and O(1) Python. When every slot of a device is
 still in flight (the device more than `RING` checks behind the host), the value is not checked and `dropped` counts
@@ -28,25 +28,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["EVERY", "FIRST", "RING", "check", "clear", "dropped", "force_cpu", "host_buffers", "looks", "pending",
+__all__ = ["EVERY", "FIRST", "RING", "check", "clear", "dropped", "force_cpu", "host_buffers", "pending", "schedule",
            "poll"]
 
 #: Slots per device: checks in flight at once. ST006 queues one per looked-at backward; a device this far behind is
 #: rare.
 RING = 64
-#: On the accelerator path a per-step check looks at the first FIRST steps, then at one in EVERY (`looks`): a device
+#: On the accelerator path a per-step check looks at the first FIRST steps, then at one in EVERY (`schedule`): a device
 #: operation per step would cost a program on the CPU more than the check is worth, and what goes wrong for good (a
 #: diverged loss stays NaN) is still found within EVERY steps.
 FIRST = 64
 EVERY = 32
 
 
-def _looks() -> Iterator[bool]:
+def schedule() -> Iterator[bool]:
+    """Whether each step is looked at, one ``next()`` in C per step (ST006's, asked by `safetorch._backward`)."""
     return itertools.chain(itertools.repeat(True, FIRST), itertools.cycle((False,) * (EVERY - 1) + (True,)))
-
-
-#: ``next(looks)``: whether this step is looked at (one ``next()`` in C per step).
-looks = _looks()
 
 #: ``ready(value, payload)``: ``value`` is a float (a 0-dim tensor was checked) or a list of two floats.
 Ready = Callable[[Any, Any], None]
@@ -259,10 +256,12 @@ def clear(owner: str | None = None) -> None:
 
 def force_cpu(on: bool, lag: int = 1) -> None:
     """Make CPU tensors take the accelerator path (tests, the bench), with a fake device `lag` events behind."""
-    global FORCED, pending, looks
+    global FORCED, pending
+    from . import _backward
+
     with _lock:
         FORCED = on
-        looks = _looks()
+        _backward.restart_schedule()
         _Fake.lag, _Fake.recorded, _Fake.done = lag, 0, 0
         fake = _rings.pop(-1, None)
         if fake is not None:

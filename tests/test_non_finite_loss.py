@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import safetorch
-from safetorch import NonFiniteLossWarning, SafetorchError, _deferred
+from safetorch import NonFiniteLossWarning, SafetorchError, _backward, _deferred
 from safetorch._callsite import Spot
 
 from .conftest import findings, lineno, run_python
@@ -143,7 +143,7 @@ def test_device_path_never_reads_a_slot_before_its_event_completed() -> None:
 @pytest.mark.usefixtures("device_path")
 def test_device_path_drops_a_check_rather_than_wait_when_every_slot_is_in_flight(monkeypatch) -> None:
     _deferred.force_cpu(True, lag=10_000)
-    monkeypatch.setattr(_deferred, "looks", itertools.repeat(True))  # every backward looked at
+    monkeypatch.setattr(_backward, "_schedule", itertools.repeat(True))  # every backward looked at
     w = torch.randn(3, requires_grad=True)
     before = _deferred.dropped
     with findings() as got:

@@ -106,11 +106,11 @@ def _message(frame: FrameType | Spot, numel: int) -> tuple[str, str]:
             f"Write: {target} {op} {shown}{fix}")
 
 
-# The tensors the last backward() calls started from, as weak references (a WeakSet would compare tensors with ==).
-# Accumulating one of them into a number is the pitfall for certain: its step is over. Only the last few are kept:
-# one weak reference per backward, with no callback, is all a training step pays; an older one is still caught by
-# the watch below.
-_backwarded: deque[weakref.ref[torch.Tensor]] = deque(maxlen=8)
+# The tensors the last backward() calls started from (`_backward.recent`, which the patch keeps while this check
+# records): accumulating one of them into a number is the pitfall for certain, its step is over. Only the last few are
+# kept: one weak reference per backward, with no callback, is all a training step pays; an older one is still caught
+# by the watch below.
+_was_backwarded = _backward.was_recent
 
 
 @dataclass
@@ -133,8 +133,15 @@ class _Watch:
 _watches: dict[tuple[str, int], _Watch] = {}
 
 
-def _was_backwarded(t: torch.Tensor) -> bool:
-    return any(ref() is t for ref in _backwarded)
+_listening = [False]
+
+
+def _listen() -> None:
+    """Called before the backwards while something waits for them (a watch, a container kept): `_before_backward`
+    leaves once nothing does. Never from a weak reference's callback (`_died`): `_backward.listen` takes a lock."""
+    if not _listening[0]:
+        _listening[0] = True
+        _backward.listen(CODE, before=_before_backward)
 
 
 class _RAdd(MethodPatch):
@@ -181,21 +188,21 @@ def _watch(frame: FrameType, value: torch.Tensor, result: Any) -> None:
         if marker is not None:
             _watches[key] = _Watch(weakref.ref(result), weakref.ref(marker), key[0], key[1], frame.f_globals,
                                    Spot(frame), value.numel(), _backward.count)
+            _listen()
 
 
 def _before_backward(tensors: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
-        if isinstance(tensors, torch.Tensor):
-            _backwarded.append(weakref.ref(tensors))
-        else:
-            _backwarded.extend(weakref.ref(t) for t in tuple(tensors or ()) if isinstance(t, torch.Tensor))
         if _watches:
             for key, watch in list(_watches.items()):
                 if _decide(watch, _backward.count):
                     del _watches[key]
         if _due:
             _flush()
+        if not (_watches or _kept or _due):
+            _listening[0] = False
+            _backward.unlisten(CODE)  # the backward iterates over a tuple of listeners: leaving it now is safe
     except Exception as exc:  # strict-mode findings pass through internal_error
         internal_error(CODE, exc)
 
@@ -467,6 +474,7 @@ def _keep(key: tuple[str, int, str, str], holder: _graphs.Holder, frames: list[F
     node.metadata[_graphs.TAG + ".death"] = death
     kept.death = weakref.ref(death, lambda _, kept=kept: _died(kept))
     _kept[key] = kept
+    _listen()
 
 
 def _died(kept: _Kept) -> None:
@@ -531,7 +539,7 @@ def crash_notes(exc: BaseException) -> list[str]:
 
 def install(registry: Registry) -> None:
     registry.method(torch.Tensor, "__radd__", _RAdd, CODE)
-    _backward.listen(CODE, before=_before_backward)
+    _backward.record(CODE)
     _steps.listen(CODE, _look)
     _losses.listen(CODE, every=_loss_look)
     before_summary(CODE, _at_exit)
@@ -539,11 +547,12 @@ def install(registry: Registry) -> None:
 
 
 def uninstall() -> None:
+    _backward.record(CODE, False)
     _backward.unlisten(CODE)
+    _listening[0] = False
     _steps.unlisten(CODE)
     _losses.unlisten(CODE)
     before_summary(CODE, None)
-    _backwarded.clear()
     _watches.clear()
     _seen.clear()
     _loss_seen.clear()

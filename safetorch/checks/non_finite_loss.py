@@ -1,6 +1,6 @@
 """ST006: a NaN or infinite loss reaching ``backward()``, reported at the line that called backward.
 
-The first 64 backwards are looked at, then one in 32 (`safetorch._deferred.looks`), on every device: a loss that
+The first 64 backwards are looked at, then one in 32 (`safetorch._deferred.schedule`), on every device: a loss that
 diverged stays NaN (the step after a NaN loss makes the weights NaN) and is found within 32 steps, and a backward not
 looked at costs one ``next()`` (a CPU loss's ``item()`` at every backward was a third of what safetorch added to a
 tiny model's training step). On the CPU a looked-at value is checked directly (a scalar loss's ``item()``). On an
@@ -29,7 +29,6 @@ from .._report import internal_error, report, report_at
 from .._rule import Rule
 
 CODE = "ST006"
-_next = next
 
 
 class NonFiniteLossWarning(SafetorchWarning):
@@ -133,9 +132,7 @@ def _check(tensors: Any) -> None:
 def _before_backward(tensors: Any) -> None:
     __tracebackhide__ = True  # noqa: F841
     try:
-        if isinstance(tensors, torch.Tensor):
-            if not _next(_deferred.looks):
-                return  # a backward not looked at, on any device: one next() in C
+        if isinstance(tensors, torch.Tensor):  # a looked-at backward (`_deferred.schedule`, asked by the patch)
             if tensors.is_cpu and not _deferred.FORCED:
                 # A looked-at loss on the CPU: no call, no loop, no frame walk. `v - v == 0` holds for every finite
                 # int, float or complex, and for no NaN or infinity. item() raises for any other number of elements
@@ -161,7 +158,7 @@ def _before_backward(tensors: Any) -> None:
 
 
 def install(registry: Registry) -> None:
-    _backward.listen(CODE, before=_before_backward)
+    _backward.listen(CODE, before=_before_backward, schedule=_deferred.schedule)
 
 
 def uninstall() -> None:
