@@ -199,7 +199,7 @@ def _rebind_early_imports() -> None:
                      for original, installed, group in registry.module_functions()}
         if not functions:
             return
-        from .checks.eval_mode_grad import _library
+        from ._report import is_library as _library
 
         for name, module in list(sys.modules.items()):
             if not isinstance(module, ModuleType) or name.startswith(("torch", "safetorch", "wrapt")):

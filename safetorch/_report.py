@@ -17,6 +17,7 @@ import contextvars
 import os
 import re
 import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -73,6 +74,29 @@ def is_internal(code: CodeType) -> bool:
     if len(_internal_codes) > 1 << 16:  # bounded: generated code makes code objects without end
         _internal_codes.clear()
     _internal_codes[id(code)] = (code, answer)
+    return answer
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.abspath(p) + os.sep for p in {sysconfig.get_paths().get(k) for k in ("purelib", "platlib", "stdlib")} if p
+)
+
+
+_libraries: dict[str, bool] = {}
+
+
+def is_library(code: Any) -> bool:
+    """True for code of an installed library or the standard library: under this interpreter's library directories,
+    or under any ``site-packages``/``dist-packages`` directory (another environment's, a ``--target`` install).
+    Cached by file name: every eval() asks."""
+    filename = code.co_filename
+    answer = _libraries.get(filename)
+    if answer is None:
+        path = os.path.abspath(filename)
+        answer = filename.startswith("<frozen") or path.startswith(_LIBRARY_DIRS) or any(
+            f"{os.sep}{d}{os.sep}" in path for d in ("site-packages", "dist-packages"))
+        if len(_libraries) < 4096:
+            _libraries[filename] = answer
     return answer
 
 

@@ -99,6 +99,19 @@ def test_a_conversion_that_returned_the_tensor_itself_says_so() -> None:
                                   "<name> = torch.ones(2).cpu()")
 
 
+def test_a_parameter_s_conversion_tells_itself_from_a_copy() -> None:
+    """A leaf that requires grad: its copy's graph holds it (on 3.12+ the reference count alone cannot tell)."""
+    p = torch.nn.Parameter(torch.ones(2, 3))
+    with findings() as got:
+        p.float()
+        p.double()
+        p.cpu()
+        p.t().contiguous()
+    assert [_text(w).split(" and its result")[0] for w in got] == [
+        "ST001 p.float() returned p itself", "ST001 p.double() returns a copy", "ST001 p.cpu() returned p itself",
+        "ST001 p.t().contiguous() returns a copy"]
+
+
 def test_the_same_methods_that_made_a_copy_say_it_returns_a_copy() -> None:
     x = torch.ones(2, 3, dtype=torch.int64)
     y = torch.ones(3, 2).t()  # not contiguous
@@ -362,12 +375,11 @@ def test_torch_errors_pass_through_unchanged() -> None:
 
 
 def test_internal_failure_is_swallowed_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from safetorch import _callsite
-
     def boom(*args: object) -> bool:
         raise KeyError("boom")
 
-    monkeypatch.setattr(_callsite, "_discarded_slow", boom)
+    # What both paths ask of a discarded call (a patched method's, and on 3.12+ a site's the bytecode showed)
+    monkeypatch.setattr(discarded_conversion, "calls_method", boom)
     x = torch.ones(2)
     with findings() as got:
         y = x.double()
@@ -671,6 +683,42 @@ def test_a_forward_s_shape_calls_never_enter_safetorch() -> None:
         assert torch.equal(block(x), out)
     finally:
         safetorch.install()
+
+
+@MONITORED
+def test_torch_s_own_conversions_never_enter_safetorch() -> None:
+    """``clip_grad_norm_`` calls ``.to()`` once per parameter, and a forward converts (``x.float()``, ``mask.to(x)``):
+    on 3.12+ every conversion stays torch's own method, and only a discarded call in the program's code is looked at.
+    """
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    x = torch.randn(8, 4, dtype=torch.float64)
+
+    def step() -> torch.Tensor:
+        loss = model(x.float().to(torch.float32)).pow(2).mean()
+        loss.backward()
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+    for name in discarded_conversion.METHODS:
+        if hasattr(torch._C.TensorBase, name):
+            assert getattr(torch.Tensor, name) is getattr(torch._C.TensorBase, name), name
+    step()  # the first call: each code object is read once
+    entered: list[str] = []
+    own = safetorch.__file__.rsplit("/", 1)[0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(own):
+            entered.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    with findings() as got:
+        sys.setprofile(profile)
+        try:
+            norms = [step() for _ in range(3)]
+        finally:
+            sys.setprofile(None)
+    assert [e for e in entered if "discarded_conversion" in e or "_monitor" in e or "_callsite" in e] == []
+    assert got == []
+    assert all(torch.isfinite(n) for n in norms)
 
 
 def _discard_view_in_a_loop(xs: list[torch.Tensor]) -> int:

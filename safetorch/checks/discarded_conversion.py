@@ -6,10 +6,11 @@ torch first, unguarded, then asks the call-site reader whether the caller throws
 instruction is POP_TOP): one cached dict lookup per call. Only ``torch.Tensor`` is patched, so
 ``nn.Module`` methods are never touched; tensor subclasses (``nn.Parameter``) inherit the check.
 
-The shape methods (`SHAPES`) are what a model's forward calls hundreds of times a step, always using the result. On
-Python 3.12+ they stay torch's own: `safetorch._monitor` finds the calls whose result the bytecode pops, once per code
-object, and calls `_at_shape_site` there only, before torch runs the call. Where it cannot (3.10, 3.11, or no
-``sys.monitoring`` tool id free) they are patched as the conversions are.
+The shape methods (`SHAPES`) are what a model's forward calls hundreds of times a step, always using the result, and
+torch calls the conversions itself (``clip_grad_norm_``'s ``.to()``, one per parameter). On Python 3.12+ both stay
+torch's own: `safetorch._monitor` finds the calls whose result the bytecode pops, once per code object, and calls
+`_at_site` there only: before torch runs a shape call, after a conversion has returned. Where it cannot (3.10, 3.11,
+or no ``sys.monitoring`` tool id free) every one of them is patched.
 """
 
 from __future__ import annotations
@@ -153,11 +154,12 @@ _kept = _callsite._kept  # {f_lasti: code} of the call sites known to use their 
 
 
 def install(registry: Registry) -> None:
-    shapes = {name: getattr(torch.Tensor, name) for name in SHAPES if hasattr(torch.Tensor, name)}
-    watched = _monitor.start(CODE, shapes, _at_shape_site)  # 3.12+: a forward's shape calls stay torch's own
-    for name in (*METHODS, *(() if watched else shapes)):
-        if hasattr(torch.Tensor, name):
-            registry.method(torch.Tensor, name, _Conversion, CODE)
+    methods = {name: getattr(torch.Tensor, name) for name in (*METHODS, *SHAPES) if hasattr(torch.Tensor, name)}
+    # 3.12+: a forward's shape calls and torch's own conversions stay torch's methods
+    if _monitor.start(CODE, methods, _at_site, after=frozenset(METHODS)):
+        return
+    for name in methods:
+        registry.method(torch.Tensor, name, _Conversion, CODE)
 
 
 def uninstall() -> None:
@@ -170,12 +172,40 @@ def _reportable(frame: FrameType, method: str) -> bool:
     return not _is_compiling() and not is_internal(frame.f_code) and calls_method(frame, method) is not False
 
 
-def _at_shape_site(frame: FrameType, method: str, receiver: Any) -> None:
-    """A discarded call of a shape method, found in the bytecode (`safetorch._monitor`), before torch runs it: what
-    `_after_call` decides for a patched method, but from the receiver (a shape method returns a new tensor)."""
+def _at_site(frame: FrameType, method: str, receiver: Any, itself: bool) -> None:
+    """A discarded call found in the bytecode (`safetorch._monitor`): of a shape method before torch runs it (it
+    returns a new tensor), of a conversion once it has returned (``itself``: it returned its receiver). What
+    `_after_call` decides for a patched method."""
     if isinstance(receiver, torch.Tensor) and _reportable(frame, method):
         nargs = _positional(frame)
-        report(CODE, frame, lambda: _message(frame, method, nargs))
+        if itself and receiver.requires_grad and receiver.grad_fn is None:
+            itself = _returns_itself(frame, method, receiver)  # a copy of a leaf holds it too: the count cannot tell
+        if method not in SHAPES:  # the tensor left unconverted, for a crash note (`crash_notes`)
+            trim(_unconverted, MAX_ANSWERS)
+            _unconverted[(frame.f_code.co_filename, frame.f_lineno)] = weakref.ref(receiver)
+        report(CODE, frame, lambda: _message(frame, method, nargs, itself))
+
+
+#: The dtype each argument-less dtype method converts to.
+_DTYPES = {name: getattr(torch, dtype) for name, dtype in (
+    ("float", "float32"), ("double", "float64"), ("half", "float16"), ("bfloat16", "bfloat16"), ("long", "int64"),
+    ("int", "int32"), ("short", "int16"), ("bool", "bool"), ("byte", "uint8"), ("char", "int8"),
+    ("cfloat", "complex64"), ("cdouble", "complex128"), ("chalf", "complex32")) if hasattr(torch, dtype)}
+
+
+def _returns_itself(frame: FrameType, method: str, receiver: torch.Tensor) -> bool:
+    """Whether ``method`` called with no arguments returns ``receiver`` itself, from the receiver alone; False when
+    the call has arguments (a copy is the message's safe side: the fix is the same)."""
+    parsed = parsed_call(frame)
+    if parsed is None or parsed[0].args or parsed[0].keywords:
+        return False
+    if method in _DTYPES:
+        return receiver.dtype == _DTYPES[method]
+    if method == "cpu":
+        return receiver.device.type == "cpu"
+    if method == "contiguous":
+        return receiver.is_contiguous()
+    return False
 
 
 def _positional(frame: FrameType) -> int:

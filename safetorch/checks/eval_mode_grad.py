@@ -59,9 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
-import sysconfig
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -79,7 +77,16 @@ from .._exceptions import SafetorchWarning
 from .._hooks import untallied
 from .._modes import eval_effects, joined
 from .._patch import MethodPatch, Registry, registry
-from .._report import before_summary, internal_error, is_internal, report_at, rule_off, suppressed, user_frame
+from .._report import (
+    before_summary,
+    internal_error,
+    is_internal,
+    is_library,
+    report_at,
+    rule_off,
+    suppressed,
+    user_frame,
+)
 from .._rule import Rule
 from .._tracebacks import hide_own_frames
 from . import _eval_act
@@ -842,27 +849,7 @@ def _st008_message(site: _Site, effects: list[str]) -> str:
 
 # --- who put a module in eval mode ---------------------------------------------------------------------------
 
-_LIBRARY_DIRS = tuple(
-    os.path.abspath(p) + os.sep for p in {sysconfig.get_paths().get(k) for k in ("purelib", "platlib", "stdlib")} if p
-)
-
-
-_libraries: dict[str, bool] = {}
-
-
-def _library(code: Any) -> bool:
-    """True for code of an installed library or the standard library: under this interpreter's library directories,
-    or under any ``site-packages``/``dist-packages`` directory (another environment's, a ``--target`` install).
-    Cached by file name: every eval() asks."""
-    filename = code.co_filename
-    answer = _libraries.get(filename)
-    if answer is None:
-        path = os.path.abspath(filename)
-        answer = filename.startswith("<frozen") or path.startswith(_LIBRARY_DIRS) or any(
-            f"{os.sep}{d}{os.sep}" in path for d in ("site-packages", "dist-packages"))
-        if len(_libraries) < 4096:
-            _libraries[filename] = answer
-    return answer
+_library = is_library
 
 
 def _origin(frame: FrameType | None) -> Origin | None:
