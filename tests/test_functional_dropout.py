@@ -192,3 +192,56 @@ def test_torchscript_scripts_a_forward_that_calls_attention() -> None:
         scripted = torch.jit.script(Attend())
     q = torch.randn(1, 2, 3, 4)
     assert torch.equal(scripted(q), Attend()(q))
+
+
+_TRAINING_PAYS_NOTHING = '''
+import sys, warnings
+import torch, torch.nn as nn, torch.nn.functional as F
+import safetorch
+
+class Forgetful(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 8), nn.Dropout(0.1)
+    def forward(self, x):
+        return F.dropout(self.drop(self.fc(x)), 0.5)
+
+own = safetorch.__file__.rsplit("/", 1)[0]
+entered = []
+def profile(frame, event, arg):
+    if event == "call" and frame.f_code.co_filename.startswith(own):
+        entered.append(frame.f_code.co_name)
+def steps(model, n=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sys.setprofile(profile)
+    try:
+        for _ in range(n):
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+    finally:
+        sys.setprofile(None)
+
+model = Forgetful()
+steps(model)
+print("training", entered.count("dropout"), "torch's" if not hasattr(F.dropout, "__wrapped__") else "patched")
+with warnings.catch_warnings(record=True) as got:
+    warnings.simplefilter("always")
+    model.eval()
+    with torch.no_grad():
+        model(torch.ones(2, 8))
+print("eval", [str(w.message)[:5] for w in got if issubclass(w.category, safetorch.SafetorchWarning)])
+model.train()
+entered.clear()
+steps(model)
+print("training again", entered.count("dropout"))
+'''
+
+
+def test_a_training_step_s_dropout_never_enters_safetorch_and_an_evaluation_is_still_looked_at() -> None:
+    """The replacements stand only while a module the program put in eval mode is in it (a fresh process: the
+    test session holds eval-mode models of its own)."""
+    from .conftest import run_python
+
+    proc = run_python(_TRAINING_PAYS_NOTHING)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["training 0 torch's", "eval ['ST013']", "training again 0"], proc.stdout

@@ -922,6 +922,40 @@ def _describe(origin: Origin | None) -> str:
 
 #: The threads in which a ``train()`` call is running, by ident: a call made while one runs is a child's. A dict, not
 #: a ``threading.local``: a child's call pays one lookup, where a thread-local's attributes cost three times as much.
+#: The modules the program put in eval mode itself (its own ``eval()``, not a child's in torch's recursion), for the
+#: checks that need to look only while one is (ST013: `watch_evaluation`). id -> weak reference.
+_in_eval: dict[int, weakref.ref[torch.nn.Module]] = {}
+_eval_watchers: dict[str, Callable[[bool], None]] = {}
+_evaluating = [False]
+
+
+def watch_evaluation(code: str, callback: Callable[[bool], None] | None) -> None:
+    """``callback(True)`` once a module the program put in eval mode is in it, ``callback(False)`` once none is
+    (told at the program's ``train()``/``eval()`` calls; a freed module is noticed at the next one). Called at once
+    with the present answer. None stops it."""
+    if callback is None:
+        _eval_watchers.pop(code, None)
+        if not _eval_watchers:
+            _in_eval.clear()
+            _evaluating[0] = False
+        return
+    _eval_watchers[code] = callback
+    callback(_evaluating[0])
+
+
+def _evaluation_changed() -> None:
+    """Tell the watchers when whether a module the program put in eval mode is still in it has changed."""
+    for key, ref in list(_in_eval.items()):
+        module = ref()
+        if module is None or module.training:
+            del _in_eval[key]
+    now = bool(_in_eval)
+    if now != _evaluating[0]:
+        _evaluating[0] = now
+        for callback in list(_eval_watchers.values()):
+            callback(now)
+
+
 _training_threads: dict[int, bool] = {}
 _get_ident = threading.get_ident
 
@@ -947,6 +981,8 @@ def _train(original: Any) -> Any:
                 try:
                     if "_call_impl" in self.__dict__ and self.training:
                         _unguard(self)
+                    if _in_eval and _in_eval.pop(id(self), None) is not None:
+                        _evaluation_changed()
                 except Exception as exc:
                     internal_error(CODE, exc)
                 if raised is not None:
@@ -964,8 +1000,13 @@ def _train(original: Any) -> Any:
                 if self.training:
                     if "_call_impl" in self.__dict__:
                         _unguard(self)
-                elif _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
-                    _guard(self, _origin(sys._getframe(1)))
+                else:
+                    if _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
+                        _guard(self, _origin(sys._getframe(1)))
+                    if _eval_watchers:
+                        _in_eval[id(self)] = weakref.ref(self)
+                if _eval_watchers:
+                    _evaluation_changed()
             except Exception as exc:
                 internal_error(CODE, exc)
             return result

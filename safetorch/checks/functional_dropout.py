@@ -1,7 +1,10 @@
 """ST013: ``F.dropout(x, p)`` in the forward of a module in eval mode: ``training`` defaults to True, so dropout
 stays on after ``model.eval()`` and every evaluation is noisy (and lower than it should be).
 
-``F.dropout``, ``F.dropout1d``/``2d``/``3d`` are replaced by plain functions with torch's signature. A call that passes
+``F.dropout``, ``F.dropout1d``/``2d``/``3d`` are replaced by plain functions with torch's signature, while a module
+the program put in eval mode (its own ``eval()``) is in it: a training step's ``nn.Dropout`` calls torch's function
+untouched (GPT-2's layout called the replacement 74 times a step). A module that is in eval mode without an ``eval()``
+of the program's (unpickled so) is not looked at until one. A call that passes
 ``training`` (positionally or by name) is never looked at further — ``nn.Dropout`` passes ``self.training``, MC dropout
 passes ``training=True`` — so a correct program pays one plain call per ``F.dropout`` and nothing else. Without
 ``training``: when the calling function's first argument is ``self``, an ``nn.Module`` whose ``training`` is False, and
@@ -34,6 +37,7 @@ from .._patch import Registry, with_globals_of
 from .._report import internal_error, is_internal, report
 from .._rule import Rule
 from .._tracebacks import hide_own_frames
+from . import eval_mode_grad
 
 CODE = "ST013"
 
@@ -174,8 +178,48 @@ def _replacement(function: str) -> Any:
     return factory
 
 
-def install(registry: Registry) -> None:
+_made: dict[str, Any] = {}  # function name -> its replacement, made once (TorchScript knows attention's by identity)
+
+
+def _once(name: str, factory: Any) -> Any:
+    def make(original: Any) -> Any:
+        made = _made.get(name)
+        if made is None or made.__wrapped__ is not original:
+            made = _made[name] = factory(original)
+            made.__wrapped__ = original
+        return made
+
+    return make
+
+
+_registry: list[Registry] = []
+
+
+def _arm(on: bool) -> None:
+    """The replacements stand only while a module the program put in eval mode is in it (`eval_mode_grad`'s
+    `watch_evaluation`): a training forward's ``nn.Dropout`` calls torch's function untouched."""
+    if not _registry:
+        return
+    registry = _registry[0]
+    if not on:
+        registry.restore(CODE)
+        return
     for function in _FUNCTIONS:
-        registry.replace(F, function, _replacement(function), CODE)
+        registry.replace(F, function, _once(function, _replacement(function)), CODE)
     if hasattr(F, "scaled_dot_product_attention"):
-        _known_to_torchscript(registry.replace(F, "scaled_dot_product_attention", _sdpa, CODE))
+        attention = registry.replace(F, "scaled_dot_product_attention", _once("sdpa", _sdpa), CODE)
+        if not any(attention is known for known in _registered):
+            _known_to_torchscript(attention)
+    from .. import _install
+
+    _install._rebind_early_imports()  # ``from torch.nn.functional import dropout`` above ``import safetorch``
+
+
+def install(registry: Registry) -> None:
+    _registry[:] = [registry]
+    eval_mode_grad.watch_evaluation(CODE, _arm)
+
+
+def uninstall() -> None:
+    eval_mode_grad.watch_evaluation(CODE, None)
+    _registry.clear()
