@@ -197,22 +197,32 @@ def _rebind_early_imports() -> None:
     try:
         functions = {id(original): (original, installed, group)
                      for original, installed, group in registry.module_functions()}
-        if not functions:
-            return
-        from ._report import is_library as _library
-
-        for name, module in list(sys.modules.items()):
-            if not isinstance(module, ModuleType) or name.startswith(("torch", "safetorch", "wrapt")):
-                continue
-            code_file = getattr(module, "__file__", None)
-            if name != "__main__" and (code_file is None or _library(_FileCode(code_file))):
-                continue
-            for attribute, value in list(vars(module).items()):
-                entry = functions.get(id(value))
-                if entry is not None and entry[0] is value:
-                    registry.set(module, attribute, entry[1], entry[2])
+        for module, attribute, original in early_bindings({key: entry[0] for key, entry in functions.items()}):
+            _, installed, group = functions[id(original)]
+            registry.set(module, attribute, installed, group)
     except Exception as exc:  # a module with an odd __dict__ must not stop the install
         _report.internal_error("core", exc, "could not look at names imported before safetorch")
+
+
+def early_bindings(originals: dict[int, Any]) -> list[tuple[ModuleType, str, Any]]:
+    """(module, name, function) for each name of the program's own modules that holds one of ``originals`` (id ->
+    torch's function): a scan of every module, for an install, not for a step."""
+    found: list[tuple[ModuleType, str, Any]] = []
+    if not originals:
+        return found
+    from ._report import is_library as _library
+
+    for name, module in list(sys.modules.items()):
+        if not isinstance(module, ModuleType) or name.startswith(("torch", "safetorch", "wrapt")):
+            continue
+        code_file = getattr(module, "__file__", None)
+        if name != "__main__" and (code_file is None or _library(_FileCode(code_file))):
+            continue
+        for attribute, value in list(vars(module).items()):
+            original = originals.get(id(value))
+            if original is not None and original is value:
+                found.append((module, attribute, value))
+    return found
 
 
 class _FileCode:

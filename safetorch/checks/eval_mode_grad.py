@@ -927,6 +927,12 @@ def _describe(origin: Origin | None) -> str:
 _in_eval: dict[int, weakref.ref[torch.nn.Module]] = {}
 _eval_watchers: dict[str, Callable[[bool], None]] = {}
 _evaluating = [False]
+#: A module of `_in_eval` was freed (its weak reference's callback only notes it: the next train()/eval() tells)
+_eval_stale = [False]
+
+
+def _eval_freed(_: Any) -> None:
+    _eval_stale[0] = True
 
 
 def watch_evaluation(code: str, callback: Callable[[bool], None] | None) -> None:
@@ -949,6 +955,7 @@ def _evaluation_changed() -> None:
         module = ref()
         if module is None or module.training:
             del _in_eval[key]
+    _eval_stale[0] = False
     now = bool(_in_eval)
     if now != _evaluating[0]:
         _evaluating[0] = now
@@ -981,7 +988,7 @@ def _train(original: Any) -> Any:
                 try:
                     if "_call_impl" in self.__dict__ and self.training:
                         _unguard(self)
-                    if _in_eval and _in_eval.pop(id(self), None) is not None:
+                    if _in_eval and (_in_eval.pop(id(self), None) is not None or _eval_stale[0]):
                         _evaluation_changed()
                 except Exception as exc:
                     internal_error(CODE, exc)
@@ -1004,7 +1011,7 @@ def _train(original: Any) -> Any:
                     if _eval_codes and not _is_compiling() and not isinstance(self, torch.jit.ScriptModule):
                         _guard(self, _origin(sys._getframe(1)))
                     if _eval_watchers:
-                        _in_eval[id(self)] = weakref.ref(self)
+                        _in_eval[id(self)] = weakref.ref(self, _eval_freed)
                 if _eval_watchers:
                     _evaluation_changed()
             except Exception as exc:

@@ -192,34 +192,47 @@ def _once(name: str, factory: Any) -> Any:
     return make
 
 
-_registry: list[Registry] = []
+#: (owner, name, torch's function, its replacement): what `_arm` swaps, ``F``'s functions and the names the program
+#: bound from them before safetorch was installed (``from torch.nn.functional import dropout``).
+_swaps: list[tuple[Any, str, Any, Any]] = []
 
 
 def _arm(on: bool) -> None:
     """The replacements stand only while a module the program put in eval mode is in it (`eval_mode_grad`'s
-    `watch_evaluation`): a training forward's ``nn.Dropout`` calls torch's function untouched."""
-    if not _registry:
-        return
-    registry = _registry[0]
-    if not on:
-        registry.restore(CODE)
-        return
+    `watch_evaluation`): a training forward's ``nn.Dropout`` calls torch's function untouched. The registry put them in
+    place once; this swaps them with torch's functions (a few attribute stores: an ``eval()`` every few steps pays
+    nothing to speak of), and a restore puts back torch's whichever stands."""
+    for owner, name, original, replacement in _swaps:
+        current = vars(owner).get(name)
+        if on and current is original:
+            setattr(owner, name, replacement)
+        elif not on and current is replacement:
+            setattr(owner, name, original)
+
+
+def install(registry: Registry) -> None:
+    from .. import _install
+
+    _swaps.clear()
+    originals: dict[int, Any] = {}
     for function in _FUNCTIONS:
-        registry.replace(F, function, _once(function, _replacement(function)), CODE)
+        installed = registry.replace(F, function, _once(function, _replacement(function)), CODE)
+        _swaps.append((F, function, installed.__wrapped__, installed))
+        originals[id(installed.__wrapped__)] = installed
     if hasattr(F, "scaled_dot_product_attention"):
         attention = registry.replace(F, "scaled_dot_product_attention", _once("sdpa", _sdpa), CODE)
         if not any(attention is known for known in _registered):
             _known_to_torchscript(attention)
-    from .. import _install
-
-    _install._rebind_early_imports()  # ``from torch.nn.functional import dropout`` above ``import safetorch``
-
-
-def install(registry: Registry) -> None:
-    _registry[:] = [registry]
+        _swaps.append((F, "scaled_dot_product_attention", attention.__wrapped__, attention))
+        originals[id(attention.__wrapped__)] = attention
+    for module, attribute, original in _install.early_bindings({key: r.__wrapped__ for key, r in originals.items()}):
+        replacement = originals[id(original)]
+        registry.set(module, attribute, replacement, CODE)
+        _swaps.append((module, attribute, original, replacement))
     eval_mode_grad.watch_evaluation(CODE, _arm)
 
 
 def uninstall() -> None:
     eval_mode_grad.watch_evaluation(CODE, None)
-    _registry.clear()
+    _arm(True)  # the registry restores what it put in place
+    _swaps.clear()
