@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 
 import pytest
 import torch
@@ -19,10 +20,15 @@ def _touched_values() -> dict[tuple[int, str], object]:
 
 
 def test_patches_are_in_the_owners_dict_and_wrap_the_original() -> None:
-    patched = torch.Tensor.__dict__["float"]
-    assert is_patch(patched)
-    assert patched.__wrapped__ is torch._C.TensorBase.__dict__["float"]
-    assert "float" not in torch._C.TensorBase.__dict__ or not is_patch(torch._C.TensorBase.__dict__["float"])
+    if sys.version_info >= (3, 12):  # ST001's methods stay torch's own there (sys.monitoring)
+        assert torch.Tensor.float is torch._C.TensorBase.float
+    else:  # torch's method lives on TensorBase: the patch is added to Tensor's own dict
+        patched = torch.Tensor.__dict__["float"]
+        assert is_patch(patched)
+        assert patched.__wrapped__ is torch._C.TensorBase.__dict__["float"]
+        assert "float" not in torch._C.TensorBase.__dict__ or not is_patch(torch._C.TensorBase.__dict__["float"])
+    hook = torch.Tensor.__dict__["register_hook"]  # ST003's, on every Python: torch's was in Tensor's own dict
+    assert is_patch(hook) and not is_patch(hook.__wrapped__) and hook.__wrapped__.__qualname__ == "Tensor.register_hook"
 
 
 def test_uninstall_restores_identity_and_deletes_what_was_added() -> None:

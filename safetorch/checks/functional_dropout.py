@@ -234,5 +234,5 @@ def install(registry: Registry) -> None:
 
 def uninstall() -> None:
     eval_mode_grad.watch_evaluation(CODE, None)
-    _arm(True)  # the registry restores what it put in place
+    _arm(False)  # torch's functions, whichever stood when the registry restored (it runs first)
     _swaps.clear()
