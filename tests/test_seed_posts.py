@@ -90,6 +90,23 @@ def test_second_post_pitfalls() -> None:
     assert str(got[1].message).endswith("Write: total_loss = total_loss + loss.item() (safetorch explain ST004)")
 
 
+def _train_with_the_posts_nan_checks(model: nn.Module, x: torch.Tensor) -> int:
+    """The post's loop (a function of its own: ST021 reads a function's code once, as it starts on 3.12+, or at its
+    first backward)."""
+    import numpy
+
+    line = 0
+    for _ in range(2):
+        loss = model(x).pow(2).mean()
+        if loss.item() == float("nan"):
+            print("Loss value is NaN!")
+        line = lineno() - 2
+        if numpy.isnan(loss.item()):  # the post's advice: silent
+            print("Loss value is NaN!")
+        loss.backward()
+    return line
+
+
 def test_second_post_items_7_and_8_nan_checks_and_shared_memory() -> None:
     """Item 7: NaN cannot be found with `==` or `is` (the post's own check, `np.isnan(loss.item())`, is silent).
     Item 8: `torch.as_tensor(a)` of a NumPy array shares its memory: a change through the tensor changes the array."""
@@ -97,16 +114,8 @@ def test_second_post_items_7_and_8_nan_checks_and_shared_memory() -> None:
 
     model = nn.Linear(4, 1)
     x = torch.randn(8, 4)
-    line = 0
     with findings() as got:
-        for _ in range(2):
-            loss = model(x).pow(2).mean()
-            if loss.item() == float("nan"):
-                print("Loss value is NaN!")
-            line = lineno() - 2
-            if numpy.isnan(loss.item()):  # the post's advice: silent
-                print("Loss value is NaN!")
-            loss.backward()
+        line = _train_with_the_posts_nan_checks(model, x)
     assert [(w.category, w.lineno) for w in got] == [(NanComparisonWarning, line)]
     assert str(got[0].message).endswith("Write: math.isnan(loss.item()) (safetorch explain ST021)")
 
