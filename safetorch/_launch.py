@@ -25,6 +25,8 @@ import runpy
 import sys
 from types import CodeType, ModuleType, TracebackType
 
+from . import _discards
+
 _MAIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "__main__.py")
 
 # The runner's own ``__main__`` (safetorch/__main__.py, or the console script), out of sys.modules once the program's
@@ -120,6 +122,7 @@ def _run_script(args: list[str]) -> None:
     code, loader = _compile(path)
     main = sys.modules["__main__"].__dict__
     main.update(__file__=path, __cached__=None, __loader__=loader)
+    _discards.read(code)  # 3.10, 3.11: what the script throws away, before it runs (`safetorch._discards`)
     exec(code, main)
 
 

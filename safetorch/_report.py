@@ -89,7 +89,11 @@ def is_library(code: Any) -> bool:
     """True for code of an installed library or the standard library: under this interpreter's library directories,
     or under any ``site-packages``/``dist-packages`` directory (another environment's, a ``--target`` install).
     Cached by file name: every eval() asks."""
-    filename = code.co_filename
+    return is_library_file(code.co_filename)
+
+
+def is_library_file(filename: str) -> bool:
+    """`is_library` for the code of the file ``filename``."""
     answer = _libraries.get(filename)
     if answer is None:
         path = os.path.abspath(filename)

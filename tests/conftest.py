@@ -33,9 +33,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 #: the runner and its child processes, dynamo. Marked ``python`` (with single tests marked in other files: TorchScript,
 #: annotations), which CI runs on a second Python: ``pytest -m python``.
 PYTHON_SENSITIVE = frozenset({
-    "test_callsite.py", "test_compiled.py", "test_discarded_conversion.py", "test_graph_accumulation.py",
-    "test_kept_graphs.py", "test_nan_comparison.py", "test_processes.py", "test_raise_path.py", "test_reporter.py",
-    "test_runner.py", "test_suppression.py", "test_tracebacks.py",
+    "test_callsite.py", "test_compiled.py", "test_discarded_conversion.py", "test_discards.py",
+    "test_graph_accumulation.py", "test_kept_graphs.py", "test_nan_comparison.py", "test_processes.py",
+    "test_raise_path.py", "test_reporter.py", "test_runner.py", "test_suppression.py", "test_tracebacks.py",
 })
 
 

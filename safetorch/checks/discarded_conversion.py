@@ -9,8 +9,10 @@ instruction is POP_TOP): one cached dict lookup per call. Only ``torch.Tensor`` 
 The shape methods (`SHAPES`) are what a model's forward calls hundreds of times a step, always using the result, and
 torch calls the conversions itself (``clip_grad_norm_``'s ``.to()``, one per parameter). On Python 3.12+ both stay
 torch's own: `safetorch._monitor` finds the calls whose result the bytecode pops, once per code object, and calls
-`_at_site` there only: before torch runs a shape call, after a conversion has returned. Where it cannot (3.10, 3.11,
-or no ``sys.monitoring`` tool id free) every one of them is patched.
+`_at_site` there only: before torch runs a shape call, after a conversion has returned. On 3.10 and 3.11
+`safetorch._discards` reads the program's code as it loads, and a method is patched once a statement of the program
+throws one of its calls away (a forward's ``view`` then stays torch's own). With no ``sys.monitoring`` tool id free on
+3.12+, every one of them is patched.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import _callsite, _monitor
+from .. import _callsite, _discards, _monitor
 from .._callsite import MAX_ANSWERS, calls_method, is_discarded, method_call, parsed_call, trim, value_of
 from .._compat import is_compiling
 from .._exceptions import SafetorchWarning
@@ -158,12 +160,19 @@ def install(registry: Registry) -> None:
     # 3.12+: a forward's shape calls and torch's own conversions stay torch's methods
     if _monitor.start(CODE, methods, _at_site, after=frozenset(METHODS)):
         return
-    for name in methods:
-        registry.method(torch.Tensor, name, _Conversion, CODE)
+
+    def patch(names: frozenset[str]) -> None:
+        for name in sorted(names):
+            registry.method(torch.Tensor, name, _Conversion, CODE)
+
+    # 3.10, 3.11: each method patched once the program's code throws one of its calls away
+    if not _discards.start(CODE, frozenset(methods), patch):
+        patch(frozenset(methods))
 
 
 def uninstall() -> None:
     _monitor.stop()
+    _discards.stop()
 
 
 def _reportable(frame: FrameType, method: str) -> bool:
