@@ -21,8 +21,9 @@ A code object's *sites* are its calls whose result the bytecode pops (`safetorch
 each is the instruction that pushed it (``LOAD_METHOD view``). A site whose callee is named and is a watched method
 asks for that method; one whose callee is another method or a variable (``print``, ``optimizer.step``, a closure's
 ``criterion``) asks for nothing, or for the watched methods the code stores in that variable (``f = x.cpu; f()``); one
-whose callee cannot be told (a call's result, arguments that hold a jump) asks for every watched method the code
-mentions, and for all of them where the code calls ``getattr`` (``getattr(x, name)()``).
+whose callee cannot be told (a call's result, an item, arguments that hold a jump) asks for every watched method the
+code mentions, and for all of them where the code calls ``getattr`` (``getattr(x, name)()``); any other callee (a
+constant, as a ``with`` block's ``__exit__`` reads) asks for nothing.
 
 Library code (installed packages, the standard library) and torch's, wrapt's and safetorch's own are not read: on
 these Pythons what the program cannot change is not looked at (on 3.12+ it is). Code the program builds and runs with
@@ -58,6 +59,8 @@ _NAMED = frozenset({"LOAD_METHOD", "LOAD_ATTR", "LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTES = frozenset({"LOAD_METHOD", "LOAD_ATTR"})
 _VARIABLES = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLASSDEREF"})
 _STORES = frozenset({"STORE_FAST", "STORE_DEREF", "STORE_NAME", "STORE_GLOBAL"})
+#: Callees that may be any method: a call's result (``getattr(x, "cpu")()``), an item (``fns[0]()``).
+_UNTOLD = _CALLS | {"PRECALL", "BINARY_SUBSCR"}
 #: The modules whose ``exec`` runs the program's code: importlib's loaders, runpy, IPython, pytest, zipimport.
 _EXECUTORS = ("_frozen_importlib_external", "runpy", "IPython.core.interactiveshell", "_pytest.assertion.rewrite",
               "zipimport")
@@ -135,6 +138,8 @@ def discarded_names(code: CodeType, names: frozenset[str]) -> set[str]:
         if callee is not None and callee.opname in _VARIABLES:
             asked |= _bound_to(ins, callee.argval, names)  # ``f = x.cpu; f()``; else a function the program holds
             continue
+        if callee is not None and callee.opname not in _UNTOLD:
+            continue  # a constant (a ``with`` block's ``__exit__``, read as the None it is called with), ...
         if "getattr" in code.co_names:  # ``getattr(x, name)()``: any of them
             return set(names)
         asked |= mentioned | names.intersection(c for c in code.co_consts if isinstance(c, str))

@@ -210,3 +210,19 @@ def test_a_notebook_cell_s_discarded_call_is_found() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "[('DiscardedConversionWarning', 2), ('DiscardedConversionWarning', 3)]" in proc.stdout, \
         proc.stdout + proc.stderr
+
+
+@ONLY_311
+def test_a_with_block_s_exit_and_a_closure_s_call_ask_for_nothing() -> None:
+    """The worst-case bench's loop: ``criterion(model(x), y)`` under ``no_grad`` throws two calls away, a closure's
+    and the ``with`` block's ``__exit__``; neither is a tensor method, though the code converts with ``.to()``."""
+    source = ("def make(criterion, model, x, y, torch):\n"
+              "    def epoch():\n"
+              "        with torch.no_grad():\n"
+              "            criterion(model(x), y)\n"
+              "        batch = x.to(torch.float32).float()\n"
+              "        return batch\n"
+              "    return epoch\n")
+    make = next(c for c in compile(source, "<test>", "exec").co_consts if hasattr(c, "co_code"))
+    epoch = next(c for c in make.co_consts if hasattr(c, "co_code"))
+    assert _discards.discarded_names(epoch, WATCHED) == set()
