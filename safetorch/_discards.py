@@ -80,6 +80,8 @@ class _State:
         self.found: set[str] = set()
         #: id(code) -> weak reference: the code objects read
         self.read: dict[int, weakref.ref[CodeType]] = {}
+        #: id(module) -> (module, the size of its namespace): the imported modules walked at a `start`
+        self.modules: dict[int, tuple[weakref.ref[types.ModuleType], int]] = {}
         #: the modules whose ``exec`` is ours: module -> what stood there before (None: the builtin)
         self.shadowed: dict[types.ModuleType, Any] = {}
         self.lock = threading.RLock()
@@ -146,31 +148,26 @@ def discarded_names(code: CodeType, names: frozenset[str]) -> set[str]:
     return asked
 
 
-def _tree(code: CodeType) -> Iterator[CodeType]:
-    stack = [code]
-    while stack:
-        current = stack.pop()
-        yield current
-        stack.extend(c for c in current.co_consts if isinstance(c, CodeType))
-
-
 def read(code: CodeType) -> None:
     """Read ``code`` and the code objects nested in it (each once); ask for the methods their sites call."""
     if _state.on_found is None:
         return
     asked: set[str] = set()
     with _state.lock:
-        for each in _tree(code):
+        stack = [code]
+        while stack:
+            each = stack.pop()
             key = id(each)
             entry = _state.read.get(key)
             if entry is not None and entry() is each:
-                continue
+                continue  # and the code nested in it, read with it
             if len(_state.read) > _MAX_READ:  # bounded: generated code makes code objects without end
                 _state.read.clear()
             _state.read[key] = weakref.ref(each)
             if is_internal(each) or is_library(each):
                 continue
             asked |= discarded_names(each, _state.names)
+            stack.extend(c for c in each.co_consts if isinstance(c, CodeType))
         new = frozenset(asked - _state.found)
         _state.found |= new
     if new and _state.on_found is not None:
@@ -283,6 +280,10 @@ def start(code: str, names: frozenset[str], on_found: Found) -> bool:
             read(frame.f_code)
             frame = frame.f_back
         for module in _program_modules():
+            size, walked = len(vars(module)), _state.modules.get(id(module))
+            if walked is not None and walked[0]() is module and walked[1] == size:
+                continue  # walked at an earlier start, and nothing added to it since
+            _state.modules[id(module)] = (weakref.ref(module), size)
             for each in _codes_of(module):
                 read(each)
         script = _script()
