@@ -96,9 +96,15 @@ def is_library_file(filename: str) -> bool:
     """`is_library` for the code of the file ``filename``."""
     answer = _libraries.get(filename)
     if answer is None:
-        path = os.path.abspath(filename)
-        answer = filename.startswith("<frozen") or path.startswith(_LIBRARY_DIRS) or any(
-            f"{os.sep}{d}{os.sep}" in path for d in ("site-packages", "dist-packages"))
+        if filename.startswith("<"):  # ``<string>``, ``<stdin>``, a notebook's cell; ``<frozen runpy>`` is Python's
+            answer = filename.startswith("<frozen")
+        else:
+            try:
+                path = os.path.abspath(filename)
+            except OSError:  # a relative name in a working directory that was deleted
+                path = filename
+            answer = path.startswith(_LIBRARY_DIRS) or any(
+                f"{os.sep}{d}{os.sep}" in path for d in ("site-packages", "dist-packages"))
         if len(_libraries) < 4096:
             _libraries[filename] = answer
     return answer
