@@ -168,19 +168,21 @@ def is_discarded(frame: FrameType) -> bool:
     return _discarded_slow(code, frame.f_lasti)
 
 
-def discards(code: CodeType, lasti: int) -> bool:
-    """`is_discarded` for the call at ``lasti`` of ``code`` read ahead of it (no frame runs it yet), cached alike."""
+def discards(code: CodeType, lasti: int, *, cache: bool = True) -> bool:
+    """`is_discarded` for the call at ``lasti`` of ``code`` read ahead of it (no frame runs it yet), cached alike
+    unless ``cache`` is False (an answer in the cache is one that `is_discarded` gives without meeting the frame)."""
     entry = _discarded.get(id(code) + lasti)
     if entry is not None and entry[0] is code:
         return entry[1]
-    return _discarded_slow(code, lasti)
+    return _discarded_slow(code, lasti, cache)
 
 
-def _discarded_slow(code: CodeType, lasti: int) -> bool:
+def _discarded_slow(code: CodeType, lasti: int, cache: bool = True) -> bool:
     nxt = _next_instruction(code, lasti)
     answer = nxt is not None and (nxt.opname == "POP_TOP" or (_echoes(nxt) and _quieted(code, lasti)))
-    trim(_discarded, MAX_ANSWERS)
-    _discarded[id(code) + lasti] = (code, answer)
+    if cache:
+        trim(_discarded, MAX_ANSWERS)
+        _discarded[id(code) + lasti] = (code, answer)
     return answer
 
 

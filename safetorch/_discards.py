@@ -129,7 +129,8 @@ def discarded_names(code: CodeType, names: frozenset[str]) -> set[str]:
     ins = instructions(code)
     asked: set[str] = set()
     for i, call in enumerate(ins):
-        if call.opname not in _CALLS or not discards(code, call.offset):
+        # Not cached: a call site whose answer is cached meets no reader when it first runs (ST021's reading).
+        if call.opname not in _CALLS or not discards(code, call.offset, cache=False):
             continue
         callee = _callee(ins, i)
         if callee is not None and callee.opname in _NAMED and callee.argval in names:
@@ -167,6 +168,8 @@ def read(code: CodeType) -> None:
             if is_internal(each) or is_library(each):
                 continue
             asked |= discarded_names(each, _state.names)
+            if _meeting and any(meet(each) for meet in list(_meeting.values())):
+                asked |= _state.names.intersection(each.co_names)  # its calls of them meet it as it runs
             stack.extend(c for c in each.co_consts if isinstance(c, CodeType))
         new = frozenset(asked - _state.found)
         _state.found |= new
@@ -275,26 +278,47 @@ def start(code: str, names: frozenset[str], on_found: Found) -> bool:
     if known:
         on_found(known)  # what was read before stays read: its names are asked for again
     try:
-        frame: FrameType | None = sys._getframe(1)
-        while frame is not None:  # what runs now: the program's module, the function that installed safetorch
-            read(frame.f_code)
-            frame = frame.f_back
-        for module in _program_modules():
-            size, walked = len(vars(module)), _state.modules.get(id(module))
-            if walked is not None and walked[0]() is module and walked[1] == size:
-                continue  # walked at an earlier start, and nothing added to it since
-            _state.modules[id(module)] = (weakref.ref(module), size)
-            for each in _codes_of(module):
-                read(each)
-        script = _script()
-        if script is not None:
-            read(script)
+        _read_program(sys._getframe(1))
         for name in _EXECUTORS:
             _shadow(sys.modules.get(name))
     except Exception as exc:
         internal_error(code, exc)
     _callsite.on_new_code(_READER, _meet)
     return True
+
+
+def _read_program(frame: FrameType | None) -> None:
+    """What of the program's code exists before it runs: the frames from ``frame`` out (the program's module, the
+    function that installed safetorch), the program's modules imported, and the script not running yet."""
+    while frame is not None:
+        read(frame.f_code)
+        frame = frame.f_back
+    for module in _program_modules():
+        size, walked = len(vars(module)), _state.modules.get(id(module))
+        if walked is not None and walked[0]() is module and walked[1] == size:
+            continue  # walked at an earlier start, and nothing added to it since
+        _state.modules[id(module)] = (weakref.ref(module), size)
+        for each in _codes_of(module):
+            read(each)
+    script = _script()
+    if script is not None:
+        read(script)
+
+
+def meet_while_running(name: str, predicate: Callable[[CodeType], bool] | None) -> None:
+    """Have the code objects ``predicate`` picks met by the call-site reader while they run, as a check that reads
+    whole code objects (ST021, `safetorch._callsite.on_new_code`) needs: on these Pythons the first call at a
+    patched method's call site meets its frame, so the watched methods such code calls are patched too. None
+    removes it. Only code read from then on is asked (a check registers when its module is imported, before any
+    `start`)."""
+    if predicate is None:
+        _meeting.pop(name, None)
+    else:
+        _meeting[name] = predicate
+
+
+#: name -> predicate: the code objects a reader asks to meet while they run (`meet_while_running`)
+_meeting: dict[str, Callable[[CodeType], bool]] = {}
 
 
 def stop() -> None:
@@ -304,4 +328,4 @@ def stop() -> None:
     _state.on_found = None
 
 
-__all__ = ["AVAILABLE", "discarded_names", "found", "read", "start", "stop", "watching"]
+__all__ = ["AVAILABLE", "discarded_names", "found", "meet_while_running", "read", "start", "stop", "watching"]

@@ -226,3 +226,18 @@ def test_a_with_block_s_exit_and_a_closure_s_call_ask_for_nothing() -> None:
     make = next(c for c in compile(source, "<test>", "exec").co_consts if hasattr(c, "co_code"))
     epoch = next(c for c in make.co_consts if hasattr(c, "co_code"))
     assert _discards.discarded_names(epoch, WATCHED) == set()
+
+
+def test_a_nan_check_in_a_helper_no_backward_passes_through_is_found(tmp_path: Path) -> None:
+    """ST021 reads a function where it meets it: on 3.12+ as it starts; on 3.10/3.11 at the first call of a patched
+    method in it, so a method that a function naming a NaN calls is patched (here ``.float()``, whose result is used).
+    """
+    script = tmp_path / "main.py"
+    script.write_text("import torch\nimport safetorch\n\n\ndef check(x):\n    y = x.float()\n"
+                      "    if y.sum().item() == float('nan'):\n        print('never')\n\n\ncheck(torch.ones(2))\n"
+                      "print('view is torch s', torch.Tensor.view is torch._C.TensorBase.view)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
+                          env=clean_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{script}:7: NanComparisonWarning: ST021 " in proc.stderr, proc.stderr
+    assert "view is torch s True" in proc.stdout

@@ -23,7 +23,7 @@ import sys
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
-from .. import _backward, _callsite
+from .. import _backward, _callsite, _discards
 from .._callsite import Spot, call_source, getline, producer_index
 from .._exceptions import SafetorchWarning
 from .._patch import Registry
@@ -360,6 +360,17 @@ def _message(spot: Spot, op: str) -> str:
                 f"object written here, so this NaN check never fires. Write: {fix}")
     return (f"{CODE} {shown} is always {always}: NaN equals nothing, itself included, so this NaN check never fires. "
             f"Write: {fix}")
+
+
+def _may_compare_with_nan(code: CodeType) -> bool:
+    """Whether ``code`` names a NaN (``float("nan")``, ``math.nan``, ``np.nan``): on 3.10 and 3.11 the methods it
+    calls are then patched, whose first call at a site meets it (`safetorch._discards`). Asked whether or not ST021
+    is on yet: ST001 reads the program's code at its install, which may come first."""
+    return any(isinstance(c, str) and c.lower() == "nan" for c in (*code.co_names, *code.co_consts))
+
+
+# Registered when this module is imported, before ST001 reads the program's code at its install.
+_discards.meet_while_running(CODE, _may_compare_with_nan)
 
 
 def install(registry: Registry) -> None:
