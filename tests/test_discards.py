@@ -26,6 +26,12 @@ def _names(source: str) -> set[str]:
     return _discards.discarded_names(function, WATCHED)
 
 
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python *args`` in ``cwd``, with the checkout importable and no setting of safetorch's."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=clean_env(),
+                          timeout=120)
+
+
 @ONLY_311
 @pytest.mark.parametrize(("source", "expected"), [
     ("def f(x):\n    x.view(2, 8)\n", {"view"}),
@@ -97,8 +103,7 @@ def test_a_forward_s_shape_calls_and_torch_s_own_conversions_never_enter_safetor
     ``.to()`` that ``clip_grad_norm_`` makes once per parameter run torch's own methods (a profiler count)."""
     script = tmp_path / "train.py"
     script.write_text(_FORWARD)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env=clean_env(), timeout=120)
+    proc = _run(tmp_path, str(script))
     assert proc.returncode == 0, proc.stderr
     assert "entered [] patched [] finite True" in proc.stdout, proc.stdout + proc.stderr
     assert "ST001" not in proc.stderr
@@ -160,8 +165,7 @@ EXPECTED = [("after.py", 2), ("before.py", 4), ("main.py", 11), ("main.py", 13)]
 def test_discarded_calls_are_found_in_the_script_and_in_modules_imported_before_and_after_safetorch(
         tmp_path: Path) -> None:
     script = _program(tmp_path)
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env=clean_env(), timeout=120)
+    proc = _run(tmp_path, str(script))
     assert proc.returncode == 0, proc.stderr
     assert _found(proc.stderr, tmp_path) == EXPECTED, proc.stderr
     if _discards.AVAILABLE:  # the closure's discarded ``criterion(...)`` asks for no patch of ``.to``
@@ -174,8 +178,7 @@ def test_discarded_calls_are_found_in_a_program_the_runner_starts(tmp_path: Path
     the program runs, which the runner (a script) or runpy (a module) executes."""
     script = _program(tmp_path)
     command = [str(script)] if how == "script" else ["-m", "main"]
-    proc = subprocess.run([sys.executable, "-m", "safetorch", "--exit-zero", *command], capture_output=True, text=True,
-                          cwd=tmp_path, env=clean_env(), timeout=120)
+    proc = _run(tmp_path, "-m", "safetorch", "--exit-zero", *command)
     assert proc.returncode == 0, proc.stderr
     assert _found(proc.stderr, tmp_path) == EXPECTED, proc.stderr
 
@@ -183,8 +186,7 @@ def test_discarded_calls_are_found_in_a_program_the_runner_starts(tmp_path: Path
 def test_an_error_in_a_module_imported_after_safetorch_shows_no_frame_of_safetorch(tmp_path: Path) -> None:
     (tmp_path / "broken.py").write_text("import torch\n\n\ndef f(x):\n    x.view(4)\n\n\nraise ValueError('boom')\n")
     (tmp_path / "main.py").write_text("import safetorch\nimport broken\n")
-    proc = subprocess.run([sys.executable, "main.py"], capture_output=True, text=True, cwd=tmp_path,
-                          env=clean_env(), timeout=120)
+    proc = _run(tmp_path, "main.py")
     assert proc.returncode == 1
     trace = proc.stderr[proc.stderr.index("Traceback"):]
     assert [line.strip() for line in trace.splitlines() if line.strip().startswith("File")] == [
@@ -205,8 +207,7 @@ def test_a_notebook_cell_s_discarded_call_is_found() -> None:
             shell.run_cell("y = x + 1\\nx.view(3, 2)\\nx.t();")
         print(sorted((w.category.__name__, w.lineno) for w in got))
     """)
-    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=clean_env(),
-                          timeout=120)
+    proc = _run(Path.cwd(), "-c", program)
     assert proc.returncode == 0, proc.stderr
     assert "[('DiscardedConversionWarning', 2), ('DiscardedConversionWarning', 3)]" in proc.stdout, \
         proc.stdout + proc.stderr
@@ -236,8 +237,7 @@ def test_a_nan_check_in_a_helper_no_backward_passes_through_is_found(tmp_path: P
     script.write_text("import torch\nimport safetorch\n\n\ndef check(x):\n    y = x.float()\n"
                       "    if y.sum().item() == float('nan'):\n        print('never')\n\n\ncheck(torch.ones(2))\n"
                       "print('view is torch s', torch.Tensor.view is torch._C.TensorBase.view)\n")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path,
-                          env=clean_env(), timeout=120)
+    proc = _run(tmp_path, str(script))
     assert proc.returncode == 0, proc.stderr
     assert f"{script}:7: NanComparisonWarning: ST021 " in proc.stderr, proc.stderr
     assert "view is torch s True" in proc.stdout
