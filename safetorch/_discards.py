@@ -80,7 +80,7 @@ class _State:
         self.found: set[str] = set()
         #: id(code) -> weak reference: the code objects read
         self.read: dict[int, weakref.ref[CodeType]] = {}
-        #: id(module) -> (module, the size of its namespace): the imported modules walked at a `start`
+        #: id(module) -> (a weak reference to it, the size of its namespace): the imported modules walked at a `start`
         self.modules: dict[int, tuple[weakref.ref[types.ModuleType], int]] = {}
         #: the modules whose ``exec`` is ours: module -> what stood there before (None: the builtin)
         self.shadowed: dict[types.ModuleType, Any] = {}
