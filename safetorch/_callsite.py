@@ -418,7 +418,24 @@ def call_source(frame: FrameType) -> str | None:
     return _only_call_on_line(frame)
 
 
-_CALLS_310 = {"CALL_FUNCTION": 0, "CALL_METHOD": 0, "CALL_FUNCTION_KW": 1}  # the stack items above the arguments
+#: The instructions that call, on every Python (3.10's three, 3.11+'s ``CALL``, 3.13's ``CALL_KW``).
+CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION_EX", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW"})
+_CALLS_310 = frozenset({"CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW"})
+
+
+def callee_index(instructions: list[dis.Instruction], index: int) -> int | None:
+    """The index of the instruction that pushed the callable of the call at ``index`` (`CALLS`): ``LOAD_METHOD view``
+    for ``x.view(2, 8)``; None where straight-line code cannot tell."""
+    call = instructions[index]
+    arg = call.arg or 0
+    if call.opname == "CALL_FUNCTION_EX":
+        depth = 1 + (arg & 1)  # the arguments' tuple, and their dict
+    elif call.opname == "CALL_FUNCTION_KW":
+        depth = arg + 1  # the names' tuple above the arguments
+    else:
+        depth = arg
+    start = index - 1 if index and instructions[index - 1].opname == "PRECALL" else index  # 3.11
+    return producer_index(instructions, start, depth)
 
 
 def _only_call_on_line(frame: FrameType) -> str | None:
@@ -429,8 +446,7 @@ def _only_call_on_line(frame: FrameType) -> str | None:
         index = next((i for i, ins in enumerate(instructions) if ins.offset == frame.f_lasti), None)
         if index is None or instructions[index].opname not in _CALLS_310:
             return None
-        ins = instructions[index]
-        callee = producer_index(instructions, index, (ins.arg or 0) + _CALLS_310[ins.opname])
+        callee = callee_index(instructions, index)
         if callee is None or not isinstance(instructions[callee].argval, str):
             return None
         name = instructions[callee].argval

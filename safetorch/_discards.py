@@ -44,7 +44,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from . import _callsite
-from ._callsite import discards, instructions, producer_index
+from ._callsite import CALLS, callee_index, discards, instructions
 from ._report import internal_error, is_internal, is_library, is_library_file
 from ._tracebacks import hide_own_frames
 
@@ -53,14 +53,13 @@ AVAILABLE = sys.version_info < (3, 12)
 #: ``on_found(names)``: the watched methods whose result a statement of the program throws away, first found now.
 Found = Callable[[frozenset[str]], None]
 
-_CALLS = frozenset({"CALL", "CALL_FUNCTION", "CALL_METHOD", "CALL_FUNCTION_KW", "CALL_FUNCTION_EX"})
 #: Instructions that push a callee known by its name.
 _NAMED = frozenset({"LOAD_METHOD", "LOAD_ATTR", "LOAD_GLOBAL", "LOAD_NAME"})
 _ATTRIBUTES = frozenset({"LOAD_METHOD", "LOAD_ATTR"})
 _VARIABLES = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FAST", "LOAD_DEREF", "LOAD_CLASSDEREF"})
 _STORES = frozenset({"STORE_FAST", "STORE_DEREF", "STORE_NAME", "STORE_GLOBAL"})
 #: Callees that may be any method: a call's result (``getattr(x, "cpu")()``), an item (``fns[0]()``).
-_UNTOLD = _CALLS | {"PRECALL", "BINARY_SUBSCR"}
+_UNTOLD = CALLS | {"PRECALL", "BINARY_SUBSCR"}
 #: The modules whose ``exec`` runs the program's code: importlib's loaders, runpy, IPython, pytest, zipimport.
 _EXECUTORS = ("_frozen_importlib_external", "runpy", "IPython.core.interactiveshell", "_pytest.assertion.rewrite",
               "zipimport")
@@ -98,22 +97,6 @@ def found() -> frozenset[str]:
     return frozenset(_state.found)
 
 
-def _callee(ins: list[dis.Instruction], index: int) -> dis.Instruction | None:
-    """The instruction that pushed the callable of the call at ``index`` (None where straight-line code cannot tell).
-    """
-    call = ins[index]
-    arg = call.arg or 0
-    if call.opname == "CALL_FUNCTION_EX":
-        depth = 1 + (arg & 1)
-    elif call.opname == "CALL_FUNCTION_KW":
-        depth = arg + 1
-    else:
-        depth = arg
-    start = index - 1 if index and ins[index - 1].opname == "PRECALL" else index
-    j = producer_index(ins, start, depth)
-    return ins[j] if j is not None else None
-
-
 def _bound_to(ins: list[dis.Instruction], name: str, names: frozenset[str]) -> set[str]:
     """The watched methods the code stores in the variable ``name`` (``f = x.cpu``)."""
     return {ins[i - 1].argval for i in range(1, len(ins))
@@ -130,9 +113,10 @@ def discarded_names(code: CodeType, names: frozenset[str]) -> set[str]:
     asked: set[str] = set()
     for i, call in enumerate(ins):
         # Not cached: a call site whose answer is cached meets no reader when it first runs (ST021's reading).
-        if call.opname not in _CALLS or not discards(code, call.offset, cache=False):
+        if call.opname not in CALLS or not discards(code, call.offset, cache=False):
             continue
-        callee = _callee(ins, i)
+        j = callee_index(ins, i)
+        callee = ins[j] if j is not None else None
         if callee is not None and callee.opname in _NAMED and callee.argval in names:
             asked.add(callee.argval)
             continue

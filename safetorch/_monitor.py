@@ -38,7 +38,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from . import _callsite
-from ._callsite import discards, instructions
+from ._callsite import CALLS, discards, instructions
 from ._report import internal_error, is_internal, is_library
 from ._tracebacks import hide_own_frames
 
@@ -52,7 +52,6 @@ Handler = Callable[[FrameType, str, Any, bool], None]
 _TOOL_IDS = (4, 3)
 _NAME = "safetorch"
 _MAX_CODES = 1 << 16
-_CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION_EX"})
 _getrefcount = sys.getrefcount
 
 
@@ -83,7 +82,7 @@ def sites_of(code: CodeType) -> frozenset[int]:
     """The offsets of the calls of ``code`` whose result is thrown away, as the call-site reader tells a discard
     (`safetorch._callsite.discards`: popped, or echoed by a notebook line that ends with ``;``)."""
     return frozenset(ins.offset for ins in instructions(code)
-                     if ins.opname in _CALLS and discards(code, ins.offset))
+                     if ins.opname in CALLS and discards(code, ins.offset))
 
 
 def _forget(key: int) -> Callable[[Any], None]:

@@ -88,8 +88,10 @@ _libraries: dict[str, bool] = {}
 def is_library(code: Any) -> bool:
     """True for code of an installed library or the standard library: under this interpreter's library directories,
     or under any ``site-packages``/``dist-packages`` directory (another environment's, a ``--target`` install).
-    Cached by file name: every eval() asks."""
-    return is_library_file(code.co_filename)
+    Cached by file name: every eval() asks (a cached answer costs no call more)."""
+    filename = code.co_filename
+    answer = _libraries.get(filename)
+    return is_library_file(filename) if answer is None else answer
 
 
 def is_library_file(filename: str) -> bool:
