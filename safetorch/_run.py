@@ -19,6 +19,7 @@ Design rules:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -457,6 +458,10 @@ def finish() -> None:
 _PREFIX = "safetorch/"
 _POLL_SECONDS = 2.0
 _store_lock = threading.Lock()
+#: Set at exit: the follower stops at once (it waits on this, not in a sleep), and the exit joins it.
+_closing = threading.Event()
+#: How long the exit waits for the follower to leave a call of the store's (set to time out after 10 s first).
+_JOIN_SECONDS = 12.0
 
 
 def _job_store() -> Any:
@@ -510,6 +515,23 @@ def joined_group() -> None:
         thread = threading.Thread(target=_follow, name="safetorch-job", daemon=True)
         _state["follower"] = thread
         thread.start()
+        atexit.register(_stop_following)  # after the report's handler: runs before it
+
+
+def _stop_following() -> None:
+    """Stop global rank 0's follower and wait for it, before the interpreter finalizes. A daemon thread that is inside a
+    call of the store's then (a C++ call that let go of the GIL) is ended by the interpreter when it takes the GIL
+    back, with an unwind through torch's C++ frames that aborts the whole process: "terminate called without an active
+    exception", SIGABRT, after a run that went well."""
+    _closing.set()
+    thread = _state.get("follower")
+    if thread is None or thread is threading.current_thread() or not thread.is_alive():
+        return
+    with contextlib.suppress(Exception):
+        from datetime import timedelta
+
+        _state["store"].set_timeout(timedelta(seconds=10))  # a call it is about to make waits no longer than this
+    thread.join(_JOIN_SECONDS)
 
 
 def _remote_lines(store: Any, seen: dict[int, int]) -> list[dict[str, Any]]:
@@ -535,15 +557,10 @@ def _remote_lines(store: Any, seen: dict[int, int]) -> list[dict[str, Any]]:
 def _follow() -> None:
     """Global rank 0's thread: every few seconds, one read of the job's counter; another rank's new site is printed
     once (a site this rank reported itself is printed by it already)."""
-    import time
-
     seen: dict[int, int] = {}
     total = 0
     store = _state["store"]
-    while not _state.get("closing"):
-        time.sleep(_POLL_SECONDS)
-        if _state.get("closing"):
-            return
+    while not _closing.wait(_POLL_SECONDS):
         try:
             now = store.add(f"{_PREFIX}total", 0)
             if now == total:
@@ -580,7 +597,7 @@ def _announce(entry: dict[str, Any]) -> None:
 def gather() -> None:
     """At exit, in every rank of a job: publish what is left, wait (bounded) for the other ranks to reach their exit,
     then write the other ranks' lines into this process's part, for its machine's report and runner."""
-    _state["closing"] = True
+    _stop_following()
     store = _job_store()
     if store is None:
         return

@@ -276,8 +276,35 @@ def test_an_fsdp2_evaluation_is_reported_and_training_through_it_is_bit_identica
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "safetorch", script]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=_env(**extra), timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, f"safetorch {name}: {proc.stderr[-3000:]}"
         runs[name] = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
         if name == "on":
             assert f"{script}:13: EvalModeGradWarning: ST003 model (FSDPSequential)" in proc.stderr
     assert len(runs["on"]) == 2 and runs["on"] == runs["off"]
+
+
+FOLLOWER_AT_EXIT = """\
+    import datetime, os, time
+    import torch.distributed as dist
+    import safetorch
+    from safetorch import _run
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    _run._state.update(store=store, store_pid=os.getpid(), world=2, grank=0, published=0)
+    _run.joined_group()  # global rank 0 of a job of two: its follower reads the job's store every 2 s
+    follower = _run._state["follower"]
+    time.sleep(0.2)
+    started = time.monotonic()
+    _run.gather()  # what the exit does first
+    print(f"stopped {not follower.is_alive()} within {time.monotonic() - started < 5}", flush=True)
+"""
+
+
+def test_rank_0_s_follower_is_stopped_before_the_interpreter_finalizes(tmp_path: Any) -> None:
+    """A daemon thread still inside a call of the job's store when the interpreter finalizes aborts the process
+    ("terminate called without an active exception", SIGABRT) after a run that went well; the exit stops the follower
+    and waits for it, without waiting out its poll interval."""
+    script = _write(tmp_path, "follower.py", FOLLOWER_AT_EXIT)
+    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, cwd=tmp_path,
+                          env=_env(SAFETORCH_JOB_WAIT="0"), timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "stopped True within True\n"), proc.stderr[-2000:]
