@@ -82,10 +82,6 @@ def _dispatch(original: Any) -> Any:
     def get_enum(reduction: str) -> int:
         __tracebackhide__ = True  # noqa: F841
         try:
-            if reduction == "elementwise_mean" and legacies:
-                for legacy in list(legacies.values()):
-                    legacy()
-                reduction = "mean"
             if following(looking[0]) and (looks or every) and grad_enabled() and not compiling():
                 caller = getframe(1)
                 look = looks.get(caller.f_code)
@@ -93,8 +89,14 @@ def _dispatch(original: Any) -> Any:
                     look(caller)
                 for look in list(every.values()):
                     look(caller)
-            if reduction in known:
-                return known[reduction]
+            try:
+                return known[reduction]  # one look-up for the three valid names (a test first was two)
+            except (KeyError, TypeError):  # torch's answer for anything else, an unhashable value's error included
+                pass
+            if reduction == "elementwise_mean" and legacies:
+                for legacy in list(legacies.values()):
+                    legacy()
+                return known["mean"]
             return original(reduction)  # type: ignore[no-any-return]
         except BaseException as exc:  # no frame of ours in the traceback of what passes through
             hide(exc)

@@ -215,6 +215,17 @@ def test_correct_calls_pass_through_untouched(monkeypatch: pytest.MonkeyPatch) -
     assert [(w.filename, w.lineno) for w in caught if "batchmean" in str(w.message)] == [(__file__, line)]
 
 
+@pytest.mark.parametrize("reduction", ["batchmean", "Mean", ["mean"], None])
+def test_an_invalid_reduction_raises_torchs_own_error(reduction: Any) -> None:
+    """What is not one of the three names reaches torch's ``get_enum``: its error, from the user's line."""
+    original = _reduction.get_enum.__wrapped__
+    with pytest.raises(Exception) as expected:
+        original(reduction)
+    with pytest.raises(type(expected.value), match=str(expected.value).replace("[", r"\[").replace("]", r"\]")) as got:
+        F.cross_entropy(torch.randn(2, 3), torch.tensor([0, 2]), reduction=reduction)
+    assert not any("safetorch" in str(entry.path) for entry in got.traceback[1:])
+
+
 _SCRIPTED_LOSSES = """
 import typing, warnings
 vars(typing).pop("warnings", None)  # present on some Pythons only: nothing may depend on it
