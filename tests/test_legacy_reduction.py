@@ -217,13 +217,14 @@ def test_correct_calls_pass_through_untouched(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.parametrize("reduction", ["batchmean", "Mean", ["mean"], None])
 def test_an_invalid_reduction_raises_torchs_own_error(reduction: Any) -> None:
-    """What is not one of the three names reaches torch's ``get_enum``: its error, from the user's line."""
+    """What is not one of the three names reaches torch's ``get_enum``: its error, with no frame of safetorch's."""
     original = _reduction.get_enum.__wrapped__
     with pytest.raises(Exception) as expected:
         original(reduction)
     with pytest.raises(type(expected.value), match=str(expected.value).replace("[", r"\[").replace("]", r"\]")) as got:
         F.cross_entropy(torch.randn(2, 3), torch.tensor([0, 2]), reduction=reduction)
-    assert not any("safetorch" in str(entry.path) for entry in got.traceback[1:])
+    if sys.version_info >= (3, 11):  # on 3.10 a bare `raise` keeps the patch's frame (docs/limitations.md)
+        assert not any("safetorch" in str(entry.path) for entry in got.traceback[1:])
 
 
 _SCRIPTED_LOSSES = """
