@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import io
 import pickle
+import sys
 import threading
 import traceback
 import warnings
@@ -517,6 +518,173 @@ def test_a_library_calling_set_grad_enabled_as_a_function_leaves_st003_on() -> N
         kept = [keeps_activations(lambda: model(torch.randn(1, 3, 8, 8)))[1] for _ in range(2)]
     assert kept == [True, False]
     assert [w.category for w in got] == [EvalModeGradWarning]
+
+
+def entered_safetorch(call: Callable[[], Any]) -> list[str]:
+    """The names of safetorch's functions that ``call`` enters (a profiler's count)."""
+    own, entered = safetorch.__file__.rsplit("/", 1)[0], []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(own):
+            entered.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+def torchs_set_grad_enabled() -> bool:
+    return "__init__" in vars(torch.set_grad_enabled) and torch.set_grad_enabled.__init__ is eval_mode_grad._torch_init
+
+
+def test_an_evaluation_enters_safetorch_at_its_first_forward_only_and_the_guard_is_back_after_it() -> None:
+    """Under no_grad the guard has nothing to do: it stands aside after the evaluation's first forward, and is back
+    (with torch's ``set_grad_enabled`` untouched) once the scope ends. A validation loop without no_grad after it is
+    still ST003's finding, at its line."""
+    model = convnet().eval()
+    x = torch.randn(2, 3, 8, 8)
+    outs: list[torch.Tensor] = []
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            outs.extend(model(x) for _ in range(5))
+
+    entered = entered_safetorch(evaluate)
+    assert entered.count("__call__") == 1 and "_step_aside" in entered and "_rearm" in entered
+    assert len(entered) < 12  # the first forward, the step aside, and the scope's end: nothing per forward
+    assert guarded(model) and torchs_set_grad_enabled() and torch.is_grad_enabled()
+    assert all(not o.requires_grad and torch.equal(o, outs[0]) for o in outs)
+    with findings() as got:
+        for _ in range(3):
+            model(x); line = lineno()  # noqa: E702
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(EvalModeGradWarning, __file__, line)]
+
+
+@pytest.mark.parametrize("scope", ["no_grad decorator", "set_grad_enabled(False) scope", "function form",
+                                   "inference_mode", "inference_mode decorator", "nested no_grad"])
+def test_every_way_out_of_an_evaluation_puts_the_guard_back(scope: str) -> None:
+    """However grad mode went off and comes back, the guard is back in its module when it does, and the loop without
+    no_grad that follows is reported."""
+    model = convnet().eval()
+    x = torch.randn(1, 3, 8, 8)
+
+    def forwards() -> None:
+        for _ in range(3):
+            model(x)
+
+    if scope == "no_grad decorator":
+        torch.no_grad()(forwards)()
+    elif scope == "set_grad_enabled(False) scope":
+        with torch.set_grad_enabled(False):
+            forwards()
+    elif scope == "function form":  # Lightning's loops switch it this way
+        torch.set_grad_enabled(False)
+        forwards()
+        assert not guarded(model)
+        torch.set_grad_enabled(True)
+    elif scope == "inference_mode":
+        with torch.inference_mode():
+            forwards()
+    elif scope == "inference_mode decorator":
+        torch.inference_mode()(forwards)()
+    else:  # a metric under its own no_grad inside the evaluation: the guard stays aside until grad mode is back
+        with torch.no_grad():
+            forwards()
+            with torch.no_grad():
+                pass
+            assert not guarded(model)
+            forwards()
+    assert guarded(model) and torchs_set_grad_enabled() and torch.is_grad_enabled()
+    with findings() as got:
+        for _ in range(3):
+            model(x); line = lineno()  # noqa: E702
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
+
+
+def test_grad_mode_switched_on_inside_an_evaluation_finds_the_guard_back() -> None:
+    """A forward with autograd on inside the evaluation's scope (``torch.set_grad_enabled(True)`` as a function) is
+    watched as any other; an explicit ``enable_grad`` scope stays the opt-out it is."""
+    model = convnet().eval()
+    x = torch.randn(1, 3, 8, 8)
+    with findings() as got, torch.no_grad():
+        model(x)
+        with torch.enable_grad():
+            assert all(model(x).requires_grad for _ in range(3))
+        model(x)  # the scope's end put the guard back; under no_grad again it stands aside
+        assert not guarded(model)
+        torch.set_grad_enabled(True)
+        try:
+            kept = [keeps_activations(lambda: model(x))[1] for _ in range(3)]; line = lineno()  # noqa: E702
+        finally:
+            torch.set_grad_enabled(False)
+        model(x)
+    assert kept == [True, False, False]
+    assert [(w.category, w.lineno) for w in got] == [(EvalModeGradWarning, line)]
+    assert guarded(model) and torchs_set_grad_enabled()
+
+
+def test_train_deepcopy_and_uninstall_during_an_evaluation_find_the_guard_back() -> None:
+    model = convnet().eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        model(x)
+        assert not guarded(model)
+        twin = copy.deepcopy(model)  # the copy gets a guard of its own, as outside an evaluation
+        assert guarded(twin) and twin.__dict__["_call_impl"] is not model.__dict__["_call_impl"]
+        model(x)
+        model.train()  # the guard is back and taken off by train(); eval() puts it on again
+        assert not guarded(model) and model.training
+        model.eval()
+        model(x)
+        assert not guarded(model)
+        safetorch.uninstall()
+        try:
+            assert torchs_set_grad_enabled() and not guarded(model)
+            model(x)
+        finally:
+            safetorch.install()
+    assert not guarded(model) and torchs_set_grad_enabled()
+
+
+def test_torchs_own_error_from_set_grad_enabled_during_an_evaluation_shows_no_safetorch_frame() -> None:
+    model = convnet().eval()
+    with torch.no_grad():
+        model(torch.randn(1, 3, 8, 8))
+        assert not torchs_set_grad_enabled()
+        with pytest.raises(TypeError) as raised:
+            torch.set_grad_enabled("yes")  # type: ignore[arg-type]
+        own = safetorch.__file__.rsplit("/", 1)[0]
+        files = [frame.filename for frame in traceback.extract_tb(raised.value.__traceback__)]
+        assert files[0] == __file__ and files[-1].endswith("grad_mode.py")
+        assert not any(f.startswith(own) for f in files)
+    assert torchs_set_grad_enabled() and guarded(model)
+
+
+def test_an_evaluation_in_another_thread_leaves_this_threads_guard_to_this_threads_grad_mode() -> None:
+    """The guard stands aside for the module, in every thread: a thread's forward with autograd on while another
+    evaluates it runs as written (a documented limit), and the guard is back when the evaluation ends."""
+    model = convnet().eval()
+    x = torch.randn(1, 3, 8, 8)
+    inside, done = threading.Event(), threading.Event()
+
+    def evaluate() -> None:
+        with torch.no_grad():
+            model(x)
+            inside.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=evaluate)
+    thread.start()
+    assert inside.wait(10)
+    try:
+        assert model(x).requires_grad  # as written
+    finally:
+        done.set()
+        thread.join()
+    assert guarded(model) and torchs_set_grad_enabled()
 
 
 def test_a_module_with_its_own_getstate_still_pickles_to_a_working_model() -> None:

@@ -43,9 +43,11 @@ Design rules:
   ``fx.GraphModule``'s own ``__reduce__``), as do ``GraphModule.__reduce_package__`` and ``Module.compile``; a model
   saved with safetorch holds the bytes of the same model saved without it. ``copy.deepcopy`` gives the copy its own
   guard; DataParallel replicas are made without it.
-- Costs are O(1) in the number of eval-mode modules: grad-mode switches and optimizer steps touch no module; ST008's
-  step hook exists only while a site waits for its step, and goes at a backward (never from inside torch's iteration
-  over its step hooks).
+- An evaluation pays for its first forward only: under no_grad or inference_mode the guard steps out of its
+  module's ``__dict__`` at that forward and is put back as soon as grad mode can come back (`_step_aside`).
+- Costs are O(1) in the number of eval-mode modules: optimizer steps touch no module, nor does a grad-mode switch
+  unless a guard stands aside; ST008's step hook exists only while a site waits for its step, and goes at a backward
+  (never from inside torch's iteration over its step hooks).
 - Explicit grad mode (``with torch.enable_grad()``, ``with torch.set_grad_enabled(True)``, ``inference_mode(False)``,
   each also as a decorator) switches the check off for its scope only, per thread, as torch's grad mode is. The
   function form ``torch.set_grad_enabled(True)`` is not a scope: Lightning's fit loop calls it, and it leaves nothing.
@@ -283,8 +285,9 @@ class _Guard:
                     return _module_call_impl(module, *args, **kwargs)  # eval mode, with ST003 and ST008 off
                 _unguard(module, self)
                 return _module_call_impl(module, *args, **kwargs)
-            if not _is_grad_enabled():  # an evaluation (every validation forward: one C call)
+            if not _is_grad_enabled():  # an evaluation: the guard stands aside until grad mode can come back
                 self.evaluated = True
+                _step_aside(module, self)
                 # An empty ``**kwargs`` still makes the call copy a dict (240 instructions a forward, counted).
                 return _module_call_impl(module, *args, **kwargs) if kwargs else _module_call_impl(module, *args)
             if _thread.explicit:
@@ -334,6 +337,8 @@ _GUARD_REFS = _calibrate()
 
 
 def _guard_of(module: torch.nn.Module) -> _Guard | None:
+    if _aside:
+        _rearm_guards()
     guard = module.__dict__.get("_call_impl")
     return guard if isinstance(guard, _Guard) else None
 
@@ -358,6 +363,73 @@ def _unguard(module: torch.nn.Module, guard: _Guard | None = None) -> None:
     elif isinstance(d.get("_call_impl"), _Guard) and (guard is None or d["_call_impl"] is guard):
         del d["_call_impl"]
     _sites.guarded.pop(id(module), None)
+
+
+# --- standing aside during an evaluation ---------------------------------------------------------------------
+#
+# Inside a no_grad or inference_mode scope an eval-mode module's forward is an evaluation, and the guard has nothing
+# to do but note it (`_Guard.evaluated`). So at the first such forward the guard leaves its module's ``__dict__`` and
+# the validation loop's later forwards run torch's own ``_call_impl``. It comes back as soon as grad mode can: when
+# ``torch.set_grad_enabled`` is made with True (which a no_grad scope's exit does, and the function form, and the
+# scope), at an inference_mode scope's exit, at any ``train()``/``eval()``, and before anything reads a module's
+# guard (`_guard_of`). While a guard stands aside, ``set_grad_enabled.__init__`` is ours, a plain function that puts the
+# guards back and then itself; the rest of the time it is torch's, and an optimizer step (which calls
+# ``torch.set_grad_enabled`` twice) pays nothing.
+
+#: The guards standing aside: (a weak reference to the module, its guard).
+_aside: list[tuple[weakref.ref[torch.nn.Module], _Guard]] = []
+_set_grad_enabled = grad_mode.set_grad_enabled
+_torch_init = _set_grad_enabled.__init__
+
+
+def _init(self: Any, mode: bool) -> None:
+    """``set_grad_enabled.__init__`` while a guard stands aside."""
+    __tracebackhide__ = True  # noqa: F841
+    if mode:
+        try:
+            _rearm()
+        except Exception as exc:
+            internal_error(CODE, exc)
+    try:
+        _torch_init(self, mode)
+    except BaseException as exc:  # torch's own error (a mode that is not a bool): no frame of ours in it
+        hide_own_frames(exc)
+        raise
+
+
+functools.update_wrapper(_init, _torch_init)
+
+
+def _step_aside(module: torch.nn.Module, guard: _Guard) -> None:
+    d = module.__dict__
+    if d.get("_call_impl") is not guard:
+        return
+    del d["_call_impl"]
+    _aside.append((weakref.ref(module), guard))
+    if _set_grad_enabled.__dict__.get("__init__") is not _init:
+        _set_grad_enabled.__init__ = _init  # type: ignore[method-assign]
+
+
+def _rearm() -> None:
+    """Every guard back in its module, and torch's ``set_grad_enabled.__init__`` back in its class."""
+    if _set_grad_enabled.__dict__.get("__init__") is _init:
+        _set_grad_enabled.__init__ = _torch_init  # type: ignore[method-assign]
+    _rearm_guards()
+
+
+def _rearm_guards() -> None:
+    while _aside:
+        try:
+            ref, guard = _aside.pop()
+        except IndexError:  # another thread took the last one
+            return
+        module = ref()
+        if module is None or guard.module() is not module:
+            continue
+        key = id(module)
+        guarded, followed = _sites.guarded.get(key), _followed.get(key)
+        if (guarded is not None and guarded[0]() is module) or (followed is not None and followed[0]() is module):
+            module.__dict__.setdefault("_call_impl", guard)
 
 
 #: The modules ST019 follows in training mode (trained by an optimizer, with BatchNorm or dropout): id -> (a weak
@@ -979,6 +1051,8 @@ def _train(original: Any) -> Any:
     def train(self: Any, mode: bool = True) -> Any:
         __tracebackhide__ = True  # noqa: F841
         try:
+            if _aside:
+                _rearm_guards()  # the module's own guard is back before torch's train() and ours look at it
             if mode is True:  # train(): nothing to tell apart, only a guard to take off (each child its own)
                 raised = None
                 if _due and not _config.current.strict:
@@ -1053,6 +1127,8 @@ def _reduce_ex(original: Any) -> Any:
     keeps it (the copy gets a guard of its own)."""
 
     def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        if _aside:
+            _rearm_guards()  # copy.deepcopy gives the copy a guard of its own, also during an evaluation
         d = self.__dict__
         guard = d.get("_call_impl")
         if not isinstance(guard, _Guard) or sys._getframe(1).f_code is _deepcopy_code:
@@ -1108,6 +1184,8 @@ def _exit_explicit(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
     previous = instance.__dict__.pop("_safetorch_explicit", None)
     if previous is not None:
         _thread.explicit = previous
+    if _aside:
+        _rearm()  # the end of an inference_mode scope gives grad mode back without set_grad_enabled
     return wrapped(*args, **kwargs)
 
 
@@ -1192,6 +1270,7 @@ def disable(code: str) -> None:
     """Switch one of ST003/ST008 off; with both off, take every patch and guard away and forget every site."""
     _codes.discard(code)
     _eval_codes.discard(code)
+    _rearm()
     if _codes:
         if not _eval_codes:  # ST019 alone: eval-mode modules lose ST003's guards (followed ones keep theirs)
             for ref, _ in list(_sites.guarded.values()):
