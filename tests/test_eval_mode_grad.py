@@ -651,6 +651,20 @@ def test_train_deepcopy_and_uninstall_during_an_evaluation_find_the_guard_back()
     assert not guarded(model) and torchs_set_grad_enabled()
 
 
+def test_a_guard_that_stood_aside_inside_st003s_own_act_is_back_after_it() -> None:
+    """The act runs its forward under no_grad and gives grad mode back by itself: a BatchNorm the program puts in eval
+    mode on its own before each forward (its own guard) stands aside inside that forward and is back after it."""
+    model = convnet().eval()
+    bn, x = model[1], torch.randn(1, 3, 8, 8)
+    kept = []
+    with findings() as got:
+        for _ in range(3):
+            bn.eval()
+            kept.append(keeps_activations(lambda: model(x))[1])
+    assert kept == [True, False, False] and [w.category for w in got] == [EvalModeGradWarning]
+    assert guarded(model) and guarded(bn) and torchs_set_grad_enabled() and not eval_mode_grad._aside
+
+
 @pytest.mark.python
 def test_torchs_own_error_from_set_grad_enabled_during_an_evaluation_shows_no_safetorch_frame() -> None:
     model = convnet().eval()

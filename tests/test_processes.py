@@ -12,22 +12,14 @@ from typing import Any
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import clean_env
 
 # torchrun jobs, spawned and forked children: several Python processes each.
 pytestmark = pytest.mark.slow
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SAFETORCH_")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    # MKL's conditional numerical reproducibility: on AVX-512 its kernels may choose a code path by where a buffer
-    # lies, so two runs that allocate differently (with safetorch and without) can differ in the last bits of a
-    # matmul (seen on an Intel Xeon: a 2-rank DDP job's weights 1e-9 apart). The programs run here compare bits.
-    env.setdefault("MKL_CBWR", "COMPATIBLE")
-    env.update(extra)
-    return env
+    return clean_env(**{"OMP_NUM_THREADS": "1", **extra})
 
 
 def _write(tmp_path: Any, name: str, source: str) -> str:

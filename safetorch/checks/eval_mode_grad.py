@@ -550,6 +550,9 @@ def _act(module: torch.nn.Module, site: _Site, args: tuple[Any, ...], kwargs: di
     except _eval_act.Opaque:
         site.opaque = True  # the forward ran under no_grad: run it again as written, and from now on
         return _module_call_impl(module, *args, **kwargs)
+    finally:
+        if _aside:  # the act gave grad mode back by itself: a guard that stood aside inside its forward comes back
+            _rearm()
 
 
 def _sharded(module: torch.nn.Module) -> bool:
