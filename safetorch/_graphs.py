@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import _visible
 from ._callsite import frame_locals, normalized
 
 __all__ = ["Account", "Holder", "Marker", "account", "fixed", "graph_items", "holders", "human", "mark", "marker_of",
@@ -228,13 +229,20 @@ def _named(frame: FrameType) -> Iterator[tuple[str, Any]]:
         if name.startswith("__") or isinstance(value, _SKIP):
             continue
         yield name, value
-        try:
-            attributes = getattr(value, "__dict__", None) if name == "self" else None
-        except Exception:  # a hostile property named __dict__
-            attributes = None
-        if isinstance(attributes, dict):
-            for attr, sub in list(attributes.items())[:256]:
+        if name == "self":  # its attributes that hold graphs, read without building its __dict__ (`_visible`)
+            try:
+                held = _visible.attributes(value, _holds, 256)
+            except Exception:  # a hostile property named __dict__
+                held = []
+            for attr, sub in held:
                 yield f"self.{attr}", sub
+
+
+def _holds(value: Any) -> bool:
+    try:
+        return _held(value) is not None
+    except Exception:
+        return False
 
 
 _PROBE = 16  # items at each end of a container looked at before all of them are

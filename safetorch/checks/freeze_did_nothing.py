@@ -230,6 +230,12 @@ def _modules(frame: FrameType) -> list[tuple[str, nn.Module]]:
 _TYPO_FIX = "(or module.requires_grad_(False))"
 
 
+def _may_hold_false(obj: object) -> bool:
+    """Whether one of the object's attributes, or a value in a ``__dict__`` it has, is False."""
+    return any(v is False or (type(v) is dict and any(x is False for x in list(v.values())))
+               for v in _visible.own_values(obj))
+
+
 def _findings(optimizer: Optimizer, frame: FrameType) -> list[tuple[_Place | None, str]]:
     """What the optimizer built at ``frame``'s line proves: each mistaken assignment that was seen, with its place and
     the message for it; those made before the check was installed (no place known), for the optimizer's line."""
@@ -238,9 +244,8 @@ def _findings(optimizer: Optimizer, frame: FrameType) -> list[tuple[_Place | Non
     found: list[tuple[_Place | None, str]] = []
     typo: dict[str, dict[_Place | None, int]] = {}
     for p in held:
-        attrs = getattr(p, "__dict__", None)
-        if attrs and p.requires_grad:
-            name = _freeze_flag(attrs)
+        if p.requires_grad and _may_hold_false(p):  # its __dict__ is read only then (`_visible.own_values`)
+            name = _freeze_flag(getattr(p, "__dict__", None) or {})
             if name is not None:
                 places = typo.setdefault(name, {})
                 place = _setter(p, name)
