@@ -180,3 +180,30 @@ def test_a_parameters_misspelt_flag_is_still_found_and_a_plain_one_keeps_no_dict
     assert [(w.category, w.lineno) for w in got] == [(FreezeDidNothingWarning, line)]
     if _can_tell():
         assert not _built(model.bias)
+
+
+class _Plain:
+    """A forward's output that is neither a container, a mapping nor a dataclass."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class _PlainOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> _Plain:
+        return _Plain(self.body(x))
+
+
+def test_an_evaluation_whose_model_returns_a_plain_object_is_found_at_its_line() -> None:
+    """ST003 finds the graph through the object's attributes, read as the garbage collector reads them."""
+    model = _PlainOut().eval()
+    with findings() as got:
+        for _ in range(3):
+            out = model(torch.randn(4, 8)); line = lineno()  # noqa: E702
+            assert out.logits.requires_grad
+    assert [(w.category, w.filename, w.lineno) for w in got] == [(safetorch.EvalModeGradWarning, __file__, line)]

@@ -665,8 +665,8 @@ def _tensors(value: Any, budget: list[int]) -> list[torch.Tensor]:
             stack.extend(v.values())
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             stack.extend(getattr(v, f.name, None) for f in dataclasses.fields(v))
-        elif hasattr(v, "__dict__") and not isinstance(v, type) and not callable(v):
-            stack.extend(vars(v).values())
+        elif not isinstance(v, type) and not callable(v):
+            stack.extend(_visible.own_values(v))  # without building its __dict__: an input may live all run
     return found
 
 
