@@ -36,6 +36,7 @@ PYTHON_SENSITIVE = frozenset({
     "test_callsite.py", "test_compiled.py", "test_discarded_conversion.py", "test_discards.py",
     "test_graph_accumulation.py", "test_kept_graphs.py", "test_nan_comparison.py", "test_processes.py",
     "test_raise_path.py", "test_reporter.py", "test_runner.py", "test_suppression.py", "test_tracebacks.py",
+    "test_visible.py",
 })
 
 
