@@ -126,12 +126,22 @@ def _stored_names(klass: type) -> tuple[str, ...]:
     names = _STORED.get(klass)
     if names is None:
         seen: dict[str, None] = {}
-        stack = [getattr(getattr(f, "__func__", f), "__code__", None) for k in klass.__mro__
-                 for f in list(vars(k).values())][::-1]
+        stack = [f.__code__ for k in klass.__mro__ for f in _functions(list(vars(k).values()))][::-1]
         while stack:  # each class's functions in the order they are defined, a function's nested code after it
             code = stack.pop()
-            if isinstance(code, CodeType):
-                seen.update(dict.fromkeys(code.co_names))
-                stack.extend(c for c in reversed(code.co_consts) if isinstance(c, CodeType))
+            seen.update(dict.fromkeys(code.co_names))
+            stack.extend(c for c in reversed(code.co_consts) if isinstance(c, CodeType))
         names = _STORED[klass] = tuple(seen)
     return names
+
+
+def _functions(attributes: list[Any]) -> list[FunctionType]:
+    """The Python functions among a class's attributes: methods, static and class methods, a property's accessors.
+    Only types are tested: nothing of the program's runs (an object's ``__getattr__`` would)."""
+    found: list[FunctionType] = []
+    for value in attributes:
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
+        found.extend(f for f in parts if isinstance(f, FunctionType))
+    return found

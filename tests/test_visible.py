@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import re
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -208,3 +209,30 @@ def test_an_evaluation_whose_model_returns_a_plain_object_is_found_at_its_line()
             out = model(torch.randn(4, 8)); line = lineno()  # noqa: E702
             assert out.logits.requires_grad
     assert [(w.category, w.filename, w.lineno) for w in got] == [(safetorch.EvalModeGradWarning, __file__, line)]
+
+
+class _Loud:
+    """A class attribute that raises on any attribute it does not have."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"read {name}")
+
+
+def test_a_class_attribute_that_raises_on_reads_and_a_property_setter_are_handled() -> None:
+    class Holder:
+        loud = _Loud()
+
+        def __init__(self) -> None:
+            self.head = nn.Linear(1, 1)
+
+        @property
+        def body(self) -> nn.Module:
+            return self._body
+
+        @body.setter
+        def body(self, value: nn.Module) -> None:
+            self._body = value
+
+    holder = Holder()
+    holder.body = nn.Linear(1, 2)
+    assert _visible._held_modules(holder) == [("head", holder.head), ("_body", holder._body)]
