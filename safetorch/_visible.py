@@ -14,6 +14,7 @@ Design rules:
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Callable
 from types import BuiltinFunctionType, CodeType, FrameType, FunctionType, MethodType, ModuleType
@@ -52,36 +53,42 @@ def own_values(value: object) -> list[Any]:
     themselves while CPython keeps them inline, else the ``__dict__`` that was built (and the object's type, and any
     ``__slots__`` values). Empty for an object without a ``__dict__``. Never builds the ``__dict__`` (see the module's
     design rules)."""
-    if not type(value).__dictoffset__:
+    if not _TYPE_DICTOFFSET(type(value)):
         return []
     return gc.get_referents(value)
 
 
+#: What a class is made of, read through ``type``'s own descriptors: a metaclass's properties never run.
+_TYPE_DICTOFFSET = type.__dict__["__dictoffset__"].__get__
+_TYPE_MRO = type.__dict__["__mro__"].__get__
+_TYPE_DICT = type.__dict__["__dict__"].__get__
+
+
 def attributes(value: object, keep: Callable[[Any], bool], limit: int) -> list[tuple[str, Any]]:
     """(name, value) for the attributes among an object's first ``limit`` for which ``keep`` is true, as
-    ``vars(value)`` would give them, in its order. Most objects seen (an optimizer, a data loader) hold none, and are
-    read with `own_values` only. A holder's attributes are named from the names its class's code stores
-    (``self.model = model``), read with ``object.__getattribute__`` where no class attribute could intercept; only
-    what cannot be named that way, or what lies in a ``__dict__`` (one that exists, or a dict the object holds), is
-    named from ``__dict__``."""
+    ``vars(value)`` would give them. Most objects seen (an optimizer, a data loader) hold none, and are read with
+    `own_values` only. A holder's attributes are named from the names its class's code stores (``self.model =
+    model``), read with ``object.__getattribute__`` where no class attribute could run code; ``__dict__`` is read
+    (and so built) only for what cannot be named that way: a value held twice or under a name no code of the class
+    stores, a slot's, one inside a ``__dict__`` that exists or a dict the object holds, a ``threading.local``'s.
+    Named values come in the order of the class's first instance, which is ``vars``' unless this instance set its
+    attributes in another order."""
+    if isinstance(value, threading.local):  # its attributes live apart, per thread, where gc does not show them
+        return _from_dict(value, keep, limit)
     held = own_values(value)[:limit + 2]  # and the type, and perhaps the __dict__ itself
-    kept = {id(v): v for v in held if keep(v)}
+    kept = [v for v in held if keep(v)]
     inside = any(type(v) is dict and any(keep(x) for x in list(v.values())[:limit]) for v in held)
     if not kept and not inside:
         return []
-    if kept and not inside:
-        named = _named_inline(value, kept)
+    if kept and not inside and len({id(v) for v in kept}) == len(kept):
+        named = _named_inline(value, {id(v): v for v in kept})
         if named is not None:  # in the order of the attributes, as vars(value) gives them
-            places: dict[int, list[int]] = {}
-            for i, v in enumerate(held):
-                places.setdefault(id(v), []).append(i)
-            taken: dict[int, int] = {}  # a value held twice: its names in the order the code names them
-            keys = []
-            for _, sub in named:
-                n = taken[id(sub)] = taken.get(id(sub), -1) + 1
-                where = places[id(sub)]
-                keys.append(where[min(n, len(where) - 1)])
-            return [pair for _, pair in sorted(zip(keys, named, strict=True), key=lambda t: t[0])]
+            place = {id(v): i for i, v in enumerate(held)}
+            return sorted(named, key=lambda pair: place[id(pair[1])])
+    return _from_dict(value, keep, limit)
+
+
+def _from_dict(value: object, keep: Callable[[Any], bool], limit: int) -> list[tuple[str, Any]]:
     namespace = getattr(value, "__dict__", None)
     if not isinstance(namespace, dict):
         return []
@@ -89,7 +96,8 @@ def attributes(value: object, keep: Callable[[Any], bool], limit: int) -> list[t
 
 
 def _is_module(value: Any) -> bool:
-    return isinstance(value, torch.nn.Module)
+    """By the object's type alone: ``isinstance`` would read a ``__class__`` property of the program's."""
+    return issubclass(type(value), torch.nn.Module)
 
 
 def _held_modules(value: object) -> list[tuple[str, torch.nn.Module]]:
@@ -98,50 +106,65 @@ def _held_modules(value: object) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _named_inline(value: object, kept: dict[int, Any]) -> list[tuple[str, Any]] | None:
-    """Each of the ``kept`` values under every name that the class's code stores and the instance holds it by; None
-    when one of them is under no such name."""
+    """Each of the ``kept`` values (each held once) under the one name that the class's code stores and the instance
+    holds it by; None when one of them is under no such name, or the instance holds it under two."""
     klass = type(value)
-    defined = {name for k in klass.__mro__ for name in vars(k)}
+    classes = [_TYPE_DICT(k) for k in _TYPE_MRO(klass)]
     named: list[tuple[str, Any]] = []
     for name in _stored_names(klass):
-        if name in defined:
-            continue  # a property or a method could run code, or answer for the instance
+        if any(name in d and not _plain(d[name]) for d in classes):
+            continue  # a descriptor could run code, or answer for the instance
         try:
-            sub = object.__getattribute__(value, name)
+            sub = object.__getattribute__(value, name)  # the instance's value, or a class's plain default
         except Exception:  # AttributeError: not set on this instance
             continue
         if kept.get(id(sub)) is sub:
             named.append((name, sub))
-    if {id(sub) for _, sub in named} != set(kept):
+    if len(named) != len(kept) or {id(sub) for _, sub in named} != set(kept):
         return None
     return named
 
 
-_STORED: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+def _plain(default: Any) -> bool:
+    """A class attribute that is a value (``model = None``), not a descriptor: the instance's own value, where it has
+    one, is what reading the name gives, and no code runs to give it."""
+    return not any(n in _TYPE_DICT(k) for k in _TYPE_MRO(type(default)) for n in ("__get__", "__set__", "__delete__"))
+
+
+#: The names each class's code stores, by the class's id (its own ``__hash__`` never runs), with a reference that
+#: tells a new class at a reused id.
+_STORED: dict[int, tuple[weakref.ref[type], tuple[str, ...]]] = {}
 
 
 def _stored_names(klass: type) -> tuple[str, ...]:
     """The attribute names that the functions of ``klass`` and its bases (Python code only) name, nested code
     included: a superset of those its instances set, in a stable order."""
-    names = _STORED.get(klass)
-    if names is None:
-        seen: dict[str, None] = {}
-        stack = [f.__code__ for k in klass.__mro__ for f in _functions(list(vars(k).values()))][::-1]
-        while stack:  # each class's functions in the order they are defined, a function's nested code after it
-            code = stack.pop()
-            seen.update(dict.fromkeys(code.co_names))
-            stack.extend(c for c in reversed(code.co_consts) if isinstance(c, CodeType))
-        names = _STORED[klass] = tuple(seen)
+    entry = _STORED.get(id(klass))
+    if entry is not None and entry[0]() is klass:
+        return entry[1]
+    seen: dict[str, None] = {}
+    stack = [f.__code__ for k in _TYPE_MRO(klass) for f in _functions(list(_TYPE_DICT(k).values()))][::-1]
+    while stack:  # each class's functions in the order they are defined, a function's nested code after it
+        code = stack.pop()
+        seen.update(dict.fromkeys(code.co_names))
+        stack.extend(c for c in reversed(code.co_consts) if isinstance(c, CodeType))
+    names = tuple(seen)
+    key = id(klass)
+    _STORED[key] = (weakref.ref(klass, lambda _, key=key: _STORED.pop(key, None)), names)
     return names
 
 
 def _functions(attributes: list[Any]) -> list[FunctionType]:
-    """The Python functions among a class's attributes: methods, static and class methods, a property's accessors.
-    Only types are tested: nothing of the program's runs (an object's ``__getattr__`` would)."""
+    """The Python functions among a class's attributes: methods, static and class methods, a property's accessors,
+    and what a decorated function wraps (``functools.wraps``: ``@torch.no_grad()`` on ``__init__``). Only exact
+    types are read: nothing of the program's runs (an object's ``__getattr__``, a subclass's property would)."""
     found: list[FunctionType] = []
     for value in attributes:
-        if isinstance(value, (staticmethod, classmethod)):
+        if type(value) in (staticmethod, classmethod):
             value = value.__func__
-        parts = (value.fget, value.fset, value.fdel) if isinstance(value, property) else (value,)
-        found.extend(f for f in parts if isinstance(f, FunctionType))
+        parts = (value.fget, value.fset, value.fdel) if type(value) is property else (value,)
+        for f in parts:
+            while type(f) is FunctionType and f not in found:
+                found.append(f)
+                f = f.__dict__.get("__wrapped__")
     return found

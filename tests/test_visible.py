@@ -236,3 +236,119 @@ def test_a_class_attribute_that_raises_on_reads_and_a_property_setter_are_handle
     holder = Holder()
     holder.body = nn.Linear(1, 2)
     assert _visible._held_modules(holder) == [("head", holder.head), ("_body", holder._body)]
+
+
+def _vars_modules(obj: object) -> list[tuple[str, nn.Module]]:
+    """What the rules read before: the modules among ``vars(obj)``'s first 64 items (this builds the __dict__)."""
+    return [(k, v) for k, v in list(vars(obj).items())[:64] if isinstance(v, nn.Module)]
+
+
+def test_a_module_held_twice_or_under_a_name_set_from_outside_is_named_as_vars_names_it() -> None:
+    a, b = nn.Linear(1, 1), nn.Linear(1, 2)
+
+    class TwoNames:
+        def forward(self) -> Any:  # names the later attribute first
+            return self.same, self.net
+
+        def __init__(self) -> None:
+            self.net, self.other, self.same = a, b, a
+
+    class One:
+        def __init__(self) -> None:
+            self.net = a
+
+    alias = One()
+    alias.alias = a
+    for make in (TwoNames, lambda: alias):
+        holder, twin = make(), make()
+        assert _visible._held_modules(holder) == _vars_modules(twin)
+    assert [k for k, _ in _visible._held_modules(TwoNames())] == ["net", "other", "same"]
+
+
+def test_st015_names_a_module_held_twice_by_its_first_name() -> None:
+    class Trainer:
+        def save(self) -> Any:
+            return self.raw
+
+        def __init__(self) -> None:
+            self.model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+            self.raw = self.model
+            self.model[0].requires_grad = False
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+
+    with findings() as got:
+        Trainer()
+    assert len(got) == 1 and "holds them (self.model.0)" in str(got[0].message)
+
+
+@needs_inline
+def test_class_defaults_and_a_decorated_init_are_named_without_building_the_dict() -> None:
+    class Defaults:
+        model: nn.Module | None = None
+        steps = 0
+
+        @torch.no_grad()
+        def __init__(self, model: nn.Module) -> None:
+            self.model = model
+            self.steps = 1
+
+    holder = Defaults(nn.Linear(1, 1))
+    assert _visible._held_modules(holder) == [("model", holder.model)]
+    assert not _built(holder, "model", "steps")
+
+
+def test_a_thread_locals_modules_are_found() -> None:
+    import threading
+
+    class Local(threading.local):
+        def __init__(self) -> None:
+            self.model = nn.Linear(1, 1)
+
+    local = Local()
+    local.extra = nn.Linear(1, 2)
+    assert _visible._held_modules(local) == [("model", local.model), ("extra", local.extra)]
+
+
+class _Meta(type):
+    calls: list[str] = []
+
+    def __hash__(cls) -> int:
+        _Meta.calls.append("hash")
+        raise RuntimeError("hash")
+
+    def __eq__(cls, other: object) -> bool:
+        _Meta.calls.append("eq")
+        raise RuntimeError("eq")
+
+    @property
+    def __mro__(cls) -> Any:  # type: ignore[override]
+        _Meta.calls.append("mro")
+        raise RuntimeError("mro")
+
+
+class _LoudProperty(property):
+    @property  # type: ignore[misc]
+    def fget(self) -> Any:  # type: ignore[override]
+        _Meta.calls.append("fget")
+        raise RuntimeError("fget")
+
+
+class _Raising:
+    @property  # type: ignore[misc]
+    def __class__(self) -> Any:  # type: ignore[override]
+        _Meta.calls.append("__class__")
+        raise RuntimeError("__class__")
+
+
+def test_a_hostile_class_runs_none_of_its_code_and_nothing_raises() -> None:
+    class Holder(metaclass=_Meta):
+        odd = _LoudProperty(lambda self: None)
+
+        def __init__(self) -> None:
+            self.net = nn.Linear(1, 1)
+            self.table = {"x": _Raising()}
+
+    holder = Holder()
+    _Meta.calls.clear()
+    assert _visible._held_modules(holder) == [("net", holder.net)]
+    assert _Meta.calls == []
