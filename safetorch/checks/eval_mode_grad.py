@@ -666,7 +666,7 @@ def _tensors(value: Any, budget: list[int]) -> list[torch.Tensor]:
         elif dataclasses.is_dataclass(v) and not isinstance(v, type):
             stack.extend(getattr(v, f.name, None) for f in dataclasses.fields(v))
         elif not isinstance(v, type) and not callable(v):
-            stack.extend(_visible.own_values(v))  # without building its __dict__: an input may live all run
+            stack.extend(_visible.own_values(v))  # without building its __dict__: the object may live all run
     return found
 
 
